@@ -1,0 +1,127 @@
+"""Inverter networks: hashed update features (U, k) -> token logits (U, P, V). Plain PyTorch.
+
+Layers are created in `bind(spec)`, once the data side knows the feature count, the number of
+positions and the vocabulary (so configs only carry the architecture's own sizes).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass
+class InversionSpec:
+    """What the data side tells the inverter about the problem."""
+
+    num_features: int  # k hashed features per update
+    num_positions: int  # P = sequences per update x sequence length
+    vocab_size: int  # V
+    embedding: Tensor  # (V, d) the global model's token embedding (known to the server)
+    token_counts: Tensor  # (V,) unigram counts of the server's data (auxiliary corpus)
+
+
+class Inverter(nn.Module, ABC):
+    def __init__(self, input_norm: Literal["none", "rms"] = "rms") -> None:
+        super().__init__()
+        if input_norm not in ("none", "rms"):
+            raise ValueError(f"input_norm {input_norm!r} is not allowed; use 'none' or 'rms'")
+        self.input_norm = input_norm
+        self.spec: InversionSpec | None = None
+
+    @property
+    def is_bound(self) -> bool:
+        return self.spec is not None
+
+    def bind(self, spec: InversionSpec) -> None:
+        """Create the layers for this problem (idempotent for the same sizes)."""
+        if self.spec is not None:
+            if (self.spec.num_features, self.spec.num_positions, self.spec.vocab_size) != (
+                spec.num_features, spec.num_positions, spec.vocab_size
+            ):
+                raise ValueError("inverter is already built for a different feature/position/vocabulary size")
+            return
+        self.spec = spec
+        self.build(spec)
+
+    @abstractmethod
+    def build(self, spec: InversionSpec) -> None: ...
+
+    @abstractmethod
+    def decode(self, hidden: Tensor) -> Tensor:
+        """Trunk output (U, P, w) -> logits (U, P, V)."""
+
+    def normalize(self, features: Tensor) -> Tensor:
+        # Updates differ in scale by orders of magnitude across defenses (raw gradients vs sign sums);
+        # per-update RMS normalisation makes the first layer's input scale-free.
+        if self.input_norm == "rms":
+            return features * torch.rsqrt(features.pow(2).mean(dim=1, keepdim=True) + 1e-20)
+        return features
+
+    def forward(self, features: Tensor) -> Tensor:
+        if self.spec is None:
+            raise RuntimeError("inverter is not built yet: call bind(spec) first")
+        hidden = self.trunk(self.normalize(features))
+        return self.decode(hidden.view(features.shape[0], self.spec.num_positions, -1))
+
+
+class MLPInverter(Inverter):
+    """The LTI paper's inverter: k -> hidden -> P x width (ReLU) -> a Linear(width -> V) shared by positions."""
+
+    def __init__(self, hidden: int = 600, position_width: int = 1000, input_norm: Literal["none", "rms"] = "rms") -> None:
+        """
+        Args:
+            hidden: Width of the first hidden layer (paper: 600).
+            position_width: Width of each position's representation (paper: 1000).
+            input_norm: `rms` normalises each update's features to unit RMS; `none` feeds them raw.
+        """
+        super().__init__(input_norm)
+        self.hidden, self.position_width = hidden, position_width
+
+    def build(self, spec: InversionSpec) -> None:
+        self.trunk = nn.Sequential(
+            nn.Linear(spec.num_features, self.hidden), nn.ReLU(),
+            nn.Linear(self.hidden, spec.num_positions * self.position_width), nn.ReLU(),
+        )
+        self.output = nn.Linear(self.position_width, spec.vocab_size)
+
+    def decode(self, hidden: Tensor) -> Tensor:
+        return self.output(hidden)
+
+
+class EmbeddingInverter(Inverter):
+    """Predicts a d-vector per position and scores tokens through the known embedding E (DESIGN.md section 9):
+    logits = scale * h @ E^T + b, with b initialised to the log marginal of the server's data."""
+
+    def __init__(self, hidden: int = 600, input_norm: Literal["none", "rms"] = "rms") -> None:
+        """
+        Args:
+            hidden: Width of the hidden layer.
+            input_norm: `rms` normalises each update's features to unit RMS; `none` feeds them raw.
+        """
+        super().__init__(input_norm)
+        self.hidden = hidden
+
+    def build(self, spec: InversionSpec) -> None:
+        dim = spec.embedding.shape[1]
+        self.trunk = nn.Sequential(
+            nn.Linear(spec.num_features, self.hidden), nn.ReLU(), nn.Linear(self.hidden, spec.num_positions * dim)
+        )
+        # E is fixed and known; it is rebuilt from the target at bind time, so it is not saved.
+        self.register_buffer("embedding", spec.embedding.detach().float().clone(), persistent=False)
+        self.scale = nn.Parameter(torch.tensor(math.sqrt(dim)))
+        counts = spec.token_counts.double()
+        # Smoothed so that tokens absent from the server's data stay predictable (finite loss).
+        log_prior = torch.log((counts + 0.01) / (counts.sum() + 0.01 * counts.numel()))
+        self.bias = nn.Parameter(log_prior.float())
+
+    def decode(self, hidden: Tensor) -> Tensor:
+        return self.scale * hidden @ self.embedding.T + self.bias
+
+
+INVERTERS = {"mlp": MLPInverter, "embedding": EmbeddingInverter}

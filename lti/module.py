@@ -1,0 +1,162 @@
+"""The LightningModule: trains an inverter on hashed updates and evaluates its reconstructions.
+
+A thin wrapper: the inverter (`lti.inverters`), the metrics (`lti.metrics`) and everything about
+updates (`datamodules`) are plain PyTorch. One step function serves train/val/test; every stage has
+its own metric objects.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from jsonargparse import lazy_instance
+from lightning.pytorch import LightningModule
+from torch import Tensor, nn
+
+from lti.inverters import EmbeddingInverter, Inverter
+from lti.metrics import ROUGE_TYPES, RougeScores, TokenAccuracy, rouge_f, token_accuracy
+
+STAGES = ("train", "val", "test")
+
+
+class InversionModule(LightningModule):
+    def __init__(
+        self,
+        inverter: Inverter = lazy_instance(EmbeddingInverter),
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        scheduler: Literal["constant", "cosine"] = "constant",
+        warmup_steps: int = 0,
+        table_rows: int = 20,
+    ) -> None:
+        """
+        Args:
+            inverter: The inversion network (default: `EmbeddingInverter`; the paper's is `MLPInverter`).
+            lr: Adam learning rate (paper: per defense from {1e-3, 1e-4, 1e-5}).
+            weight_decay: Adam weight decay.
+            scheduler: `constant` or `cosine` decay to 0 over `trainer.max_steps` (or the estimated steps).
+            warmup_steps: Linear warm-up steps.
+            table_rows: Reference/reconstruction pairs printed and logged as a table per evaluation.
+        """
+        super().__init__()
+        if lr <= 0:
+            raise ValueError(f"lr={lr} must be > 0")
+        if scheduler not in ("constant", "cosine"):
+            raise ValueError(f"scheduler {scheduler!r} is not allowed; use 'constant' or 'cosine'")
+        self.save_hyperparameters(ignore=["inverter"])
+        self.inverter = inverter
+        # One metric object per stage (e.g. `val_token_acc`), so stages never share state.
+        for stage in STAGES:
+            setattr(self, f"{stage}_token_acc", TokenAccuracy())
+            if stage != "train":
+                setattr(self, f"{stage}_rouge", RougeScores())
+                setattr(self, f"{stage}_baseline_acc", TokenAccuracy())
+        self.samples: list[dict] = []  # per-update records of the current evaluation (for results files)
+
+    # ---------------------------------------------------------------- set-up
+    @property
+    def data(self):
+        return self.trainer.datamodule
+
+    def configure_model(self) -> None:
+        # Called after the DataModule's setup and before a checkpoint is restored.
+        if not self.inverter.is_bound:
+            self.inverter.bind(self.data.inversion_spec)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.Adam(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        warmup = self.hparams.warmup_steps
+        total = max(1, self.trainer.estimated_stepping_batches)
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            if self.hparams.scheduler == "cosine":
+                progress = min(1.0, (step - warmup) / max(1, total - warmup))
+                return 0.5 * (1.0 + torch.cos(torch.tensor(progress * torch.pi)).item())
+            return 1.0
+
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    # ---------------------------------------------------------------- checkpoints carry the threat model
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["lti"] = {"hash_spec": self.data.pipeline.spec.to_dict(), "setting": self.data.describe()}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        from datamodules.federated.hashing import HashSpec
+
+        saved = checkpoint.get("lti", {}).get("hash_spec")
+        if saved is None:
+            raise ValueError("checkpoint has no hash spec: it was not written by this workbench")
+        difference = self.data.pipeline.spec.difference(HashSpec.from_dict(saved))
+        if difference is not None:
+            raise ValueError(f"checkpoint was trained on other observed updates ({difference}); use the same target, observed parameters and hash settings")
+
+    # ---------------------------------------------------------------- one step for all stages
+    def forward(self, features: Tensor) -> Tensor:
+        return self.inverter(features)
+
+    def _step(self, batch: dict, stage: str) -> Tensor:
+        logits = self(batch["features"])  # (U, P, V): the attack sees only the hashed update
+        updates = logits.shape[0]
+        targets = batch["input_ids"].reshape(updates, -1)
+        mask = batch["attention_mask"].reshape(updates, -1)
+        per_position = nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+        loss = (per_position * mask).sum() / mask.sum().clamp_min(1)
+        preds = logits.argmax(dim=-1)
+        getattr(self, f"{stage}_token_acc").update(preds, targets, mask)
+        self.log(f"{stage}/loss", loss, prog_bar=True, sync_dist=stage != "train", batch_size=updates)
+        self.log(f"{stage}/lti/token_acc", getattr(self, f"{stage}_token_acc"), prog_bar=True, batch_size=updates,
+                 on_step=stage == "train", on_epoch=True)
+        if stage != "train":
+            self._evaluate_texts(batch, preds, targets, mask, stage)
+        return loss
+
+    def _evaluate_texts(self, batch: dict, preds: Tensor, targets: Tensor, mask: Tensor, stage: str) -> None:
+        references = self.data.decode(targets, mask)
+        reconstructions = self.data.decode(preds, mask)
+        scores = [rouge_f(p, r) for p, r in zip(reconstructions, references)]
+        getattr(self, f"{stage}_rouge").update(scores=scores)
+        baseline = self.data.majority_tokens.to(targets.device).expand_as(targets)
+        getattr(self, f"{stage}_baseline_acc").update(baseline, targets, mask)
+        accuracy = token_accuracy(preds, targets, mask).tolist()
+        for i, (ref, rec, score, acc) in enumerate(zip(references, reconstructions, scores, accuracy)):
+            self.samples.append({
+                "index": int(batch["index"][i]), "reference": ref, "lti": rec,
+                "lti_token_acc": acc, **{f"lti_{k}": v for k, v in score.items()},
+            })
+
+    def training_step(self, batch: dict, batch_idx: int) -> Tensor:
+        return self._step(batch, "train")
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        self._step(batch, "val")
+
+    def test_step(self, batch: dict, batch_idx: int) -> None:
+        self._step(batch, "test")
+
+    def predict_step(self, batch: dict, batch_idx: int) -> list[dict]:
+        preds = self(batch["features"]).argmax(dim=-1)
+        texts = self.data.decode(preds)
+        return [{"index": int(i), "reconstruction": t} for i, t in zip(batch["index"], texts)]
+
+    # ---------------------------------------------------------------- epoch ends
+    def on_validation_epoch_start(self) -> None:
+        self.samples = []
+
+    on_test_epoch_start = on_validation_epoch_start
+
+    def _end_evaluation(self, stage: str) -> None:
+        rouge = getattr(self, f"{stage}_rouge").compute()
+        self.log_dict({f"{stage}/lti/{name}": value for name, value in rouge.items()})
+        self.log(f"{stage}/baseline/token_acc", getattr(self, f"{stage}_baseline_acc").compute())
+        getattr(self, f"{stage}_rouge").reset()
+        getattr(self, f"{stage}_baseline_acc").reset()
+
+    def on_validation_epoch_end(self) -> None:
+        self._end_evaluation("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._end_evaluation("test")

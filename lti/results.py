@@ -1,0 +1,92 @@
+"""Writes what an evaluation found: `<stage>_metrics.json`, `<stage>_samples.jsonl`, a printed table,
+and a W&B table; `predictions.jsonl` for `lti predict`. Files go to `trainer.default_root_dir`."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.utilities import rank_zero_only
+
+
+def _gather(records: list) -> list:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        parts: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(parts, records)
+        return [r for part in parts for r in part]
+    return list(records)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def format_metrics(metrics: dict[str, float]) -> str:
+    """A readable two-column table; fractions shown as percentages."""
+    width = max((len(k) for k in metrics), default=10)
+    lines = [f"{'metric':<{width}}  value", f"{'-' * width}  -------"]
+    for key, value in sorted(metrics.items()):
+        shown = f"{100 * value:6.2f}%" if "loss" not in key and "seconds" not in key else f"{value:.4g}"
+        lines.append(f"{key:<{width}}  {shown}")
+    return "\n".join(lines)
+
+
+class ResultsWriter(Callback):
+    def __init__(self, table_rows: int = 10, print_table: bool = True) -> None:
+        """
+        Args:
+            table_rows: Reference/reconstruction pairs printed and logged to W&B per evaluation.
+            print_table: Print the metrics and sample tables to stdout.
+        """
+        self.table_rows, self.print_table = table_rows, print_table
+        self._predictions: list[dict] = []
+
+    def _write(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        samples = sorted(_gather(getattr(pl_module, "samples", [])), key=lambda r: r.get("index", 0))
+        if trainer.global_rank != 0:
+            return
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(f"{stage}/")}
+        root = Path(trainer.default_root_dir)
+        setting = trainer.datamodule.describe() if hasattr(trainer.datamodule, "describe") else {}
+        payload = {"stage": stage, "metrics": metrics, "num_updates": len(samples), "setting": setting,
+                   "global_step": trainer.global_step}
+        _write_atomic(root / f"{stage}_metrics.json", json.dumps(payload, indent=2) + "\n")
+        _write_atomic(root / f"{stage}_samples.jsonl", "".join(json.dumps(r) + "\n" for r in samples))
+        columns = [c for c in ("index", "reference", "lti", "dager", "lti_token_acc", "lti_rouge1") if any(c in r for r in samples)]
+        rows = [[r.get(c) for c in columns] for r in samples[: self.table_rows]]
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger) and rows:
+                logger.log_table(key=f"{stage}/samples", columns=columns, data=rows)
+        if self.print_table:
+            print(f"\n{stage} results ({len(samples)} updates) -> {root / f'{stage}_metrics.json'}")
+            print(format_metrics(metrics))
+            for r in samples[: min(3, self.table_rows)]:
+                print(f"  reference     : {r.get('reference', '')!r}\n  reconstruction: {r.get('lti', '')!r}")
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._write(trainer, pl_module, "val")
+
+    def on_test_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._write(trainer, pl_module, "test")
+
+    def on_predict_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._predictions = []
+
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self._predictions.extend(outputs)
+
+    def on_predict_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        records = sorted(_gather(self._predictions), key=lambda r: r["index"])
+        if trainer.global_rank == 0:
+            path = Path(trainer.default_root_dir) / "predictions.jsonl"
+            _write_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
+            if self.print_table:
+                print(f"\n{len(records)} reconstructions -> {path}")
