@@ -21,6 +21,7 @@ from datamodules.federated import Defense, FedSGDClient, NoDefense, ParameterSel
 from datamodules.text import EmbeddedCorpus, MarginalSampler, TextCorpus, load_tokenizer, pack_blocks, pack_lines, tokenize_splits
 from datamodules.text.pseudo import load_counts, token_counts
 from lti.inverters import InversionSpec
+from lti.registry import materialize
 from lti.targets import TargetLM, Transformer3
 
 
@@ -122,6 +123,7 @@ class TextInversionDataModule(LightningDataModule):
         for name, value in (("eval_samples", eval_samples), ("train_samples", train_samples)):
             if value is not None and value < 1:
                 raise ValueError(f"{name}={value} must be >= 1 or null")
+        target, corpus, client, defense, observed = map(materialize, (target, corpus, client, defense, observed))
         self.target = target
         self.target.check_sequence_length(seq_len)
         self.tokenizer = load_tokenizer(tokenizer)

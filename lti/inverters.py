@@ -6,7 +6,6 @@ positions and the vocabulary (so configs only carry the architecture's own sizes
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Literal
@@ -114,7 +113,7 @@ class EmbeddingInverter(Inverter):
         )
         # E is fixed and known; it is rebuilt from the target at bind time, so it is not saved.
         self.register_buffer("embedding", spec.embedding.detach().float().clone(), persistent=False)
-        self.scale = nn.Parameter(torch.tensor(math.sqrt(dim)))
+        self.scale = nn.Parameter(torch.tensor(1.0))  # larger starts above the uniform loss
         counts = spec.token_counts.double()
         # Smoothed so that tokens absent from the server's data stay predictable (finite loss).
         log_prior = torch.log((counts + 0.01) / (counts.sum() + 0.01 * counts.numel()))

@@ -15,6 +15,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
 from lti.inverters import EmbeddingInverter, Inverter
+from lti.registry import materialize
 from lti.metrics import ROUGE_TYPES, RougeScores, TokenAccuracy, rouge_f, token_accuracy
 
 STAGES = ("train", "val", "test")
@@ -45,7 +46,7 @@ class InversionModule(LightningModule):
         if scheduler not in ("constant", "cosine"):
             raise ValueError(f"scheduler {scheduler!r} is not allowed; use 'constant' or 'cosine'")
         self.save_hyperparameters(ignore=["inverter"])
-        self.inverter = inverter
+        self.inverter = materialize(inverter)
         # One metric object per stage (e.g. `val_token_acc`), so stages never share state.
         for stage in STAGES:
             setattr(self, f"{stage}_token_acc", TokenAccuracy())

@@ -32,3 +32,21 @@ class Registry(Generic[T]):
 
     def create(self, name: str, **kwargs) -> T:
         return self.get(name)(**kwargs)
+
+
+def materialize(obj):
+    """A real, fresh instance for a `jsonargparse.lazy_instance` default (else `obj` itself).
+
+    Lazy defaults make the CLI help show the default class; they are only initialised on a method
+    call and one object would be shared by every caller, so init methods replace them with this.
+    """
+    get_init = getattr(obj, "lazy_get_init_data", None)
+    if get_init is None:
+        return obj
+    import importlib
+
+    data = get_init()
+    module, _, name = data.class_path.rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    init_args = data.get("init_args")
+    return cls(**(dict(vars(init_args)) if init_args is not None else {}))

@@ -89,19 +89,19 @@ class HashSpec:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
 
     def difference(self, other: "HashSpec") -> str | None:
-        """A one-line description of how `other` differs from this spec, or None if equal."""
+        """A one-line description of how `other` (e.g. a checkpoint's spec) differs from this one."""
         if self == other:
             return None
         for key in ("num_bins", "seed", "signed", "version"):
             if getattr(self, key) != getattr(other, key):
-                return f"{key} {getattr(other, key)!r} != {getattr(self, key)!r}"
+                return f"{key}: checkpoint {getattr(other, key)!r}, now {getattr(self, key)!r}"
         if self.parameters != other.parameters:
             mine, theirs = dict(self.parameters), dict(other.parameters)
             missing = sorted(set(theirs) - set(mine))[:3]
             extra = sorted(set(mine) - set(theirs))[:3]
             changed = sorted(n for n in set(mine) & set(theirs) if mine[n] != theirs[n])[:3]
             return f"observed parameters differ (only in checkpoint: {missing}, only now: {extra}, shape changed: {changed})"
-        return f"target model weights differ (fingerprint {other.target_fingerprint} != {self.target_fingerprint})"
+        return f"target model weights differ (fingerprint: checkpoint {other.target_fingerprint}, now {self.target_fingerprint})"
 
 
 def cache_dir() -> Path:

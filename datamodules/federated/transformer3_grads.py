@@ -48,9 +48,9 @@ from torch.nn import functional as F
 
 from lti.targets.transformer3 import Transformer3
 
-#: Logit elements per chunk of the head (fp32: 64 MiB): bounds the head's peak memory for large
+#: Logit elements per chunk of the head (fp32: 16 MiB, cache-sized): bounds the head's memory for large
 #: batches while keeping every matmul large.
-HEAD_CHUNK_ELEMENTS = 1 << 24
+HEAD_CHUNK_ELEMENTS = 1 << 22
 
 
 # --------------------------------------------------------------------------------------------------
@@ -187,17 +187,18 @@ def _encoder_layer(layer: nn.TransformerEncoderLayer, x: Tensor, causal: bool, t
     q, k, v = qkv.view(num, length, 3, heads, width // heads).permute(2, 0, 3, 1, 4).unbind(0)
     # With need_weights=False and a causal hint, MultiheadAttention drops the explicit mask and calls
     # SDPA with is_causal=True; attention-probability dropout happens inside SDPA.
-    mixed = F.scaled_dot_product_attention(
-        q, k, v, dropout_p=attn.dropout if training else 0.0, is_causal=causal
-    )
+    mixed = F.scaled_dot_product_attention(q, k, v, dropout_p=attn.dropout if training else 0.0, is_causal=causal)
     mixed = mixed.transpose(1, 2).reshape(num, length, width)
-    mixed = _linear(mixed, attn.out_proj.weight, attn.out_proj.bias, sinks("self_attn.out_proj.weight", "self_attn.out_proj.bias"))
-    x = _layer_norm(x + F.dropout(mixed, layer.dropout1.p, training), layer.norm1, sinks("norm1.weight", "norm1.bias"))
+    out_proj = attn.out_proj
+    mixed = _linear(mixed, out_proj.weight, out_proj.bias, sinks("self_attn.out_proj.weight", "self_attn.out_proj.bias"))
+    x = x + F.dropout(mixed, layer.dropout1.p, training)
+    x = _layer_norm(x, layer.norm1, sinks("norm1.weight", "norm1.bias"))
     # Feed-forward.
     inner = _linear(x, layer.linear1.weight, layer.linear1.bias, sinks("linear1.weight", "linear1.bias"))
     inner = F.dropout(F.relu(inner), layer.dropout.p, training)
     ff = _linear(inner, layer.linear2.weight, layer.linear2.bias, sinks("linear2.weight", "linear2.bias"))
-    return _layer_norm(x + F.dropout(ff, layer.dropout2.p, training), layer.norm2, sinks("norm2.weight", "norm2.bias"))
+    x = x + F.dropout(ff, layer.dropout2.p, training)
+    return _layer_norm(x, layer.norm2, sinks("norm2.weight", "norm2.bias"))
 
 
 def _softmax_(logits: Tensor) -> Tensor:
@@ -355,11 +356,12 @@ def transformer3_per_example_gradients(
 
         # Head by hand; it writes the decoder-side per-sequence gradients (if observed) first, so
         # that the embedding part of the tied weight can be accumulated on top below.
-        decoder_weight_out = views.get(decoder_weight_name)
+        decoder_weight_out, decoder_bias_out = views.get(decoder_weight_name), views.get(decoder_bias_name)
+        need_body = start is not None
         grad_hidden = _head_backward(
-            target, hidden, input_ids, attention_mask, start is not None, decoder_weight_out, views.get(decoder_bias_name)
+            target, hidden, input_ids, attention_mask, need_body, decoder_weight_out, decoder_bias_out
         )
-        if start is None:
+        if not need_body:
             return out
         # One batched backward through the body: the custom functions fill their slices of `out`.
         (grad_start,) = torch.autograd.grad(hidden, start, grad_hidden)

@@ -221,7 +221,8 @@ class EmbeddedCorpus(TextCorpus):
         paths = {split: folder / f"{split}.txt" for split in SPLITS}
         if all(p.exists() for p in paths.values()):
             return paths
-        documents = [doc for source in self.sources for doc in self._readers[source]()]
+        # Deduplicated first: the Lee corpus repeats documents, which would leak across the split.
+        documents = list(dict.fromkeys(doc for source in self.sources for doc in self._readers[source]()))
         order = list(range(len(documents)))
         random.Random(self.seed).shuffle(order)
         held_out = set(order[: max(1, round(self.eval_fraction * len(documents)))])

@@ -1,0 +1,15 @@
+import subprocess
+import sys
+
+PLAIN_MODULES = [
+    "lti.targets", "lti.inverters", "lti.metrics", "lti.registry",
+    "datamodules.federated", "datamodules.text",
+]
+
+
+def test_plain_pytorch_parts_do_not_import_lightning():
+    code = "import sys\n" + "".join(f"import {m}\n" for m in PLAIN_MODULES) + (
+        "bad = [m for m in sys.modules if m == 'lightning' or m.startswith(('lightning.', 'pytorch_lightning'))]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -1,0 +1,116 @@
+"""End-to-end runs of the `lti` CLI on tiny configs (in-process: one Lightning import for all)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lti.cli import main
+
+from conftest import REPO
+
+
+def _metrics(root: Path, stage: str) -> dict:
+    return json.loads((root / f"{stage}_metrics.json").read_text())
+
+
+def test_fit_test_predict_write_results_and_secure_checkpoints(make_config, tmp_path):
+    config = make_config()
+    main(["fit", "--config", str(config)])
+    ckpt = tmp_path / "ckpt" / "last.ckpt"
+    assert ckpt.exists()
+    state = torch.load(ckpt, weights_only=True)  # tensors and plain data only
+    assert state["lti"]["hash_spec"]["num_bins"] > 0 and state["lti"]["setting"]["target"] == "Transformer3"
+
+    main(["test", "--config", str(config), "--ckpt_path", str(ckpt)])
+    root = tmp_path / "run"
+    result = _metrics(root, "test")
+    metrics = result["metrics"]
+    for key in ("test/lti/token_acc", "test/lti/rouge1", "test/lti/rouge2", "test/lti/rougeL", "test/baseline/token_acc"):
+        assert 0.0 <= metrics[key] <= 1.0, key
+    samples = [json.loads(line) for line in (root / "test_samples.jsonl").read_text().splitlines()]
+    assert len(samples) == result["num_updates"] == 8
+    assert {"reference", "lti", "lti_token_acc", "lti_rouge1"} <= set(samples[0])
+    assert samples[0]["reference"].startswith("Held out line 0")
+    # The file's aggregate equals the mean of the per-sample scores (same updates, same decoding).
+    assert metrics["test/lti/rouge1"] == pytest.approx(sum(s["lti_rouge1"] for s in samples) / len(samples), abs=1e-5)
+    assert (root / "val_metrics.json").exists()  # validation during fit
+
+    main(["predict", "--config", str(config), "--ckpt_path", str(ckpt)])
+    predictions = (root / "predictions.jsonl").read_text().splitlines()
+    assert len(predictions) == 8 and "reconstruction" in json.loads(predictions[0])
+
+
+def test_validate_without_checkpoint_reports_the_untrained_inverter(make_config, tmp_path):
+    main(["validate", "--config", str(make_config())])
+    metrics = _metrics(tmp_path / "run", "val")["metrics"]
+    assert "val/lti/token_acc" in metrics and "val/baseline/token_acc" in metrics
+
+
+def test_checkpoint_from_another_hash_spec_is_rejected(make_config, tmp_path, capsys):
+    config = make_config(**{"trainer.max_steps": 1, "trainer.limit_val_batches": 0})
+    main(["fit", "--config", str(config)])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["test", "--config", str(config), "--ckpt_path", str(tmp_path / "ckpt" / "last.ckpt"), "--data.hash_bins", "7"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    trained_bins = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["lti"]["hash_spec"]["num_bins"]
+    assert err[-1] == (f"lti: error: checkpoint was trained on other observed updates (num_bins: checkpoint {trained_bins}, "
+                       "now 7); use the same target, observed parameters and hash settings")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--data.defense", "GaussianNoise", "--data.defense.sigma", "-1"], "gaussian noise sigma=-1.0 must be a finite number >= 0"),
+        (["--data.defense", "TopKPruning", "--data.defense.fraction_removed", "1.0"], "pruning fraction_removed=1.0 is outside [0, 1)"),
+        (["--data.seq_len", "9"], "sequence length 9 exceeds the target model's 8 positions"),
+        (["--data.corpus.auxiliary_files", "[/no/such.txt]"], "corpus file '/no/such.txt' does not exist"),
+        (["--data.target.init_args.vocab_size", "1000"], "tokenizer 'embedded-gpt2' has 50257 tokens but the target model's vocabulary has 1000"),
+    ],
+)
+def test_bad_input_gives_one_line_and_writes_no_checkpoint(make_config, tmp_path, capsys, args, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(make_config()), *args])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
+
+
+def test_unknown_defense_class_is_named_in_the_error(make_config, capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(make_config()), "--data.defense", "Bogus"])
+    assert "Bogus" in capsys.readouterr().err
+
+
+def test_lti_p_trains_on_pseudo_data(make_config, tmp_path):
+    config = make_config(**{"data.training_data": "pseudo", "data.pseudo_batches_per_epoch": 2, "trainer.max_steps": 2,
+                            "trainer.limit_val_batches": 0})
+    main(["fit", "--config", str(config)])
+    assert (tmp_path / "ckpt" / "last.ckpt").exists()
+
+
+def test_wandb_offline_run_is_written(make_config, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    logger = {"class_path": "lightning.pytorch.loggers.WandbLogger",
+              "init_args": {"project": "lti-test", "offline": True, "save_dir": str(tmp_path / "wandb")}}
+    config = make_config(**{"trainer.logger": logger, "trainer.max_steps": 2, "trainer.val_check_interval": 2})
+    main(["fit", "--config", str(config)])
+    import wandb
+
+    wandb.finish()
+    runs = list((tmp_path / "wandb" / "wandb").glob("offline-run-*"))
+    assert runs and list(runs[0].glob("run-*.wandb"))
+    assert list(runs[0].glob("files/media/table/val/samples*.table.json"))
+
+
+@pytest.mark.parametrize("config", sorted(str(p.relative_to(REPO)) for p in (REPO / "configs").rglob("*.yaml")))
+def test_every_config_parses(config, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(REPO / config), "--print_config"])
+    assert exit_info.value.code in (0, None)
+    parsed = yaml.safe_load(capsys.readouterr().out)
+    assert "data" in parsed and "model" in parsed

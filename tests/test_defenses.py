@@ -1,0 +1,78 @@
+import math
+
+import pytest
+import torch
+
+from datamodules.federated import DEFENSES, DPSGD, Defense, GaussianNoise, NoDefense, Sign, TopKPruning
+from datamodules.federated.defenses import Compose
+
+
+def test_registry_lists_all_defenses_and_rejects_unknown_names():
+    assert {"none", "sign", "prune", "gaussian", "dpsgd", "compose"} <= set(DEFENSES.names())
+    assert isinstance(Defense.create("sign"), Sign)
+    with pytest.raises(ValueError, match="unknown defense 'bogus'; allowed: "):
+        Defense.create("bogus")
+
+
+def test_none_and_sign_act_on_the_mean_update():
+    g = torch.randn(3, 2, 10)
+    torch.testing.assert_close(NoDefense()(g), g.mean(1))
+    torch.testing.assert_close(Sign()(g), torch.sign(g.mean(1)))
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 0.9, 0.99])
+def test_pruning_keeps_the_top_fraction_over_the_whole_vector(alpha):
+    update = torch.randn(4, 1, 1000)
+    out = TopKPruning(alpha)(update)
+    keep = math.ceil((1 - alpha) * 1000 - 1e-9)
+    for row_in, row_out in zip(update[:, 0], out):
+        order = row_in.abs().argsort(descending=True)  # slow reference: sort everything
+        expected = torch.zeros_like(row_in)
+        expected[order[:keep]] = row_in[order[:keep]]
+        torch.testing.assert_close(row_out, expected)
+    assert ((out != 0).sum(1) == keep).all()
+
+
+@pytest.mark.parametrize("alpha", [-0.1, 1.0, 1.5])
+def test_pruning_rejects_fractions_outside_0_1(alpha):
+    with pytest.raises(ValueError, match=r"fraction_removed=.* outside \[0, 1\)"):
+        TopKPruning(alpha)
+
+
+def test_gaussian_noise_has_the_requested_std():
+    g = torch.zeros(8, 1, 20000)
+    noisy = GaussianNoise(0.01)(g, torch.Generator().manual_seed(0))
+    assert abs(noisy.std().item() - 0.01) < 3e-4
+    assert abs(noisy.mean().item()) < 3e-4
+
+
+@pytest.mark.parametrize("sigma", [-1.0, float("nan"), float("inf")])
+def test_gaussian_noise_rejects_bad_sigma(sigma):
+    with pytest.raises(ValueError, match="sigma"):
+        GaussianNoise(sigma)
+
+
+def test_dpsgd_clips_every_sequence_then_adds_noise_to_the_sum():
+    g = torch.randn(2, 3, 50) * 10  # norms far above C
+    out = DPSGD(clip_norm=1.0, noise_multiplier=0.0)(g)
+    clipped = g / g.norm(dim=2, keepdim=True)
+    torch.testing.assert_close(out, clipped.mean(1))
+    small = torch.full((1, 1, 4), 0.1)  # below C: untouched
+    torch.testing.assert_close(DPSGD(1.0, 0.0)(small), small[:, 0])
+    noise = DPSGD(clip_norm=2.0, noise_multiplier=0.5)(torch.zeros(4, 2, 20000), torch.Generator().manual_seed(1))
+    # N(0, (sigma C)^2) on the sum of m=2 clipped gradients, divided by m
+    assert abs(noise.std().item() - 0.5 * 2.0 / 2) < 0.01
+
+
+@pytest.mark.parametrize("kwargs", [{"clip_norm": 0.0}, {"clip_norm": -1.0}, {"noise_multiplier": -0.1}])
+def test_dpsgd_rejects_bad_parameters(kwargs):
+    with pytest.raises(ValueError, match="DP-SGD"):
+        DPSGD(**kwargs)
+
+
+def test_compose_applies_in_order_and_requires_dpsgd_first():
+    g = torch.randn(2, 1, 100)
+    out = Compose([TopKPruning(0.9), Sign()])(g)
+    assert ((out != 0).sum(1) == 10).all() and set(out.unique().tolist()) <= {-1.0, 0.0, 1.0}
+    with pytest.raises(ValueError, match="first"):
+        Compose([Sign(), DPSGD()])
