@@ -114,3 +114,13 @@ def test_every_config_parses(config, capsys):
     assert exit_info.value.code in (0, None)
     parsed = yaml.safe_load(capsys.readouterr().out)
     assert "data" in parsed and "model" in parsed
+
+
+@pytest.mark.parametrize("base", ["configs/lti.yaml", "configs/lti_p.yaml"])
+@pytest.mark.parametrize("defense", sorted(p.name for p in (REPO / "configs" / "defenses").glob("*.yaml")))
+def test_each_attack_composes_with_each_defense(base, defense, capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(REPO / base), "--config", str(REPO / "configs" / "defenses" / defense), "--print_config"])
+    parsed = yaml.safe_load(capsys.readouterr().out)
+    assert parsed["data"]["training_data"] == ("pseudo" if "lti_p" in base else "auxiliary")
+    assert parsed["data"]["defense"]["class_path"].startswith("datamodules.federated.")
