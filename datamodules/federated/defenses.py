@@ -36,7 +36,7 @@ class Defense(ABC):
     def __call__(self, per_example: Tensor, generator: torch.Generator | None = None) -> Tensor:
         if per_example.dim() != 3:
             raise ValueError(f"defense expects (updates, sequences, D) gradients, got shape {tuple(per_example.shape)}")
-        return self.transform(per_example.mean(dim=1), generator)
+        return self.transform(mean_update(per_example), generator)
 
     @abstractmethod
     def transform(self, update: Tensor, generator: torch.Generator | None) -> Tensor:
@@ -48,6 +48,11 @@ class Defense(ABC):
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.describe().items() if k != "name")
         return f"{type(self).__name__}({args})"
+
+
+def mean_update(per_example: Tensor) -> Tensor:
+    """(U, m, D) -> (U, D) mean over the update's sequences; a free view when m = 1 (the default)."""
+    return per_example[:, 0] if per_example.shape[1] == 1 else per_example.mean(dim=1)
 
 
 def _noise_like(x: Tensor, generator: torch.Generator | None) -> Tensor:

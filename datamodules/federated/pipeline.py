@@ -97,7 +97,9 @@ class UpdatePipeline(nn.Module):
             input_ids = input_ids.clone()
             attention_mask = None if attention_mask is None else attention_mask.clone()
             per_example = self.client.per_example_gradients(self.target, self.names, input_ids, attention_mask)
-            if not torch.isfinite(per_example).all():
+            # A sum is ~20x cheaper than an element-wise scan and is non-finite whenever an element
+            # is; only then (or on overflow of the sum) is the slow scan run to name the parameter.
+            if not torch.isfinite(per_example.sum()) and not torch.isfinite(per_example).all():
                 bad = self.names[self._first_nonfinite_parameter(per_example)]
                 raise FloatingPointError(f"non-finite client update (nan/inf) in parameter {bad!r}; check the target model and data")
             with torch.no_grad():
