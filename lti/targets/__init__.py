@@ -5,3 +5,5 @@ from lti.targets.hf import HFCausalLM
 from lti.targets.transformer3 import Transformer3
 
 __all__ = ["TargetLM", "Transformer3", "HFCausalLM"]
+from lti.targets.hf_encoder import HFEncoderLM  # noqa: E402
+__all__.append("HFEncoderLM")

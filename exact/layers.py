@@ -1,0 +1,467 @@
+"""Find the layers DAGER reads, by module name and type -- never by parameter position.
+
+DAGER needs, for a target model:
+
+* the first and second attention layers' query projections (their weight gradients span the layer
+  inputs), as `ProjectionRef`s: the module, the full parameter name (as in `named_parameters()`, so it
+  indexes the per-parameter update dict), the weight layout and which rows/columns are the query block;
+* how the first attention layer's input is computed from a token and its position
+  (`FirstLayerInput`: embedding, optional position table, scale, offset and normalisation), so that
+  all V candidate tokens can be tested without running the model;
+* the module whose *input* is the second attention layer's input (hooked to read it);
+* whether attention is causal and whether positions are rotary (RoPE: first-layer inputs carry no
+  position);
+* optionally the final normalisation that feeds the vocabulary projection, whose gradient gives the
+  last token of every sequence in next-token training (it is only ever a label, never an input).
+
+Supported: `lti.targets.Transformer3`, and Hugging Face GPT-2, BERT and Llama-family models (bare, or
+wrapped in any module, e.g. `lti.targets.HFCausalLM`). Plain PyTorch; no Lightning.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+NormKind = Literal["none", "layernorm", "rmsnorm"]
+
+
+@dataclass(frozen=True)
+class GradientBlock:
+    """One block of a weight whose gradient spans the layer's inputs (e.g. the query rows of a fused QKV)."""
+
+    param_name: str  #: full name in `named_parameters()`: the key into the update dict
+    layout: Literal["in_out", "out_in"]  #: Conv1D stores (in, out); nn.Linear / MHA store (out, in)
+    start: int  #: first output feature of the block
+    stop: int  #: one past its last output feature
+
+    def input_space(self, weight_grad: Tensor) -> Tensor:
+        """The block as (d_in, width): its columns lie in the span of the layer inputs."""
+        if self.layout == "in_out":
+            return weight_grad[:, self.start : self.stop]
+        return weight_grad[self.start : self.stop, :].transpose(0, 1)
+
+
+@dataclass(frozen=True)
+class ProjectionRef:
+    """The attention projections of one layer whose weight gradients span that layer's inputs.
+
+    `query` is the paper's choice (DAGER reads the query gradient). `blocks` adds the key and value
+    blocks: in a causal model the first position's query always attends only to itself, so its
+    query gradient vanishes and only the key/value gradients contain the first token.
+    """
+
+    module_name: str  #: the attention (or query projection) module
+    query: GradientBlock
+    key_value: tuple[GradientBlock, ...] = ()
+
+    @property
+    def param_name(self) -> str:
+        return self.query.param_name
+
+    def blocks(self, which: str = "qkv") -> tuple[GradientBlock, ...]:
+        if which not in ("q", "qkv"):
+            raise ValueError(f"gradient blocks {which!r} not allowed; use 'q' or 'qkv'")
+        return (self.query,) if which == "q" else (self.query, *self.key_value)
+
+    def input_space(self, update: Mapping[str, Tensor], which: str = "qkv") -> Tensor | None:
+        """(d_in, total width) from the update dict, or None if a needed parameter is not observed."""
+        parts = []
+        for block in self.blocks(which):
+            grad = update.get(block.param_name)
+            if grad is None:
+                return None
+            parts.append(block.input_space(grad))
+        return torch.cat(parts, dim=1)
+
+    def names(self, which: str = "qkv") -> list[str]:
+        return sorted({b.param_name for b in self.blocks(which)})
+
+
+@dataclass
+class FirstLayerInput:
+    """first-layer input(token t, position p) = norm(scale * E[t] + P[p] + offset)."""
+
+    embedding: Tensor  #: (V, d) token embedding
+    scale: float = 1.0
+    positions: Tensor | None = None  #: (P, d) absolute position embedding; None for RoPE models
+    offset: Tensor | None = None  #: (d,) constant added to every token (BERT: token type 0)
+    norm: NormKind = "none"
+    norm_weight: Tensor | None = None
+    norm_bias: Tensor | None = None
+    eps: float = 0.0
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.embedding.shape[0])
+
+    @property
+    def dim(self) -> int:
+        return int(self.embedding.shape[1])
+
+    @property
+    def num_positions(self) -> int | None:
+        return None if self.positions is None else int(self.positions.shape[0])
+
+    def pre_norm(self, token_ids: Tensor, position: int | None, dtype: torch.dtype = torch.float64) -> Tensor:
+        x = self.scale * self.embedding[token_ids].to(dtype)
+        return x + self.constant(position, dtype)
+
+    def constant(self, position: int | None, dtype: torch.dtype = torch.float64) -> Tensor:
+        """The token-independent part P[p] + offset, shape (d,)."""
+        c = torch.zeros(self.dim, dtype=dtype, device=self.embedding.device)
+        if self.positions is not None and position is not None:
+            c = c + self.positions[position].to(dtype)
+        if self.offset is not None:
+            c = c + self.offset.to(dtype)
+        return c
+
+    def __call__(self, token_ids: Tensor, position: int | None, dtype: torch.dtype = torch.float64) -> Tensor:
+        """Reference: the explicit first-layer inputs (n, d) of tokens `token_ids` at `position`."""
+        x = self.pre_norm(token_ids, position, dtype)
+        if self.norm == "layernorm":
+            x = (x - x.mean(-1, keepdim=True)) / torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + self.eps)
+        elif self.norm == "rmsnorm":
+            x = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.norm_weight is not None:
+            x = x * self.norm_weight.to(dtype)
+        if self.norm_bias is not None:
+            x = x + self.norm_bias.to(dtype)
+        return x
+
+
+@dataclass
+class FinalNorm:
+    """The normalisation whose output feeds the vocabulary projection `head_weight` (V, d)."""
+
+    module: nn.Module
+    weight_name: str | None
+    bias_name: str | None
+    kind: NormKind
+    eps: float
+    head_weight: Tensor
+
+    def normalise(self, hidden: Tensor) -> Tensor:
+        """x-hat: the normalised input before the elementwise affine (float64)."""
+        x = hidden.double()
+        if self.kind == "layernorm":
+            return (x - x.mean(-1, keepdim=True)) / torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + self.eps)
+        if self.kind == "rmsnorm":
+            return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return x
+
+
+@dataclass
+class DagerLayers:
+    architecture: str
+    first: ProjectionRef
+    second: ProjectionRef
+    #: The module whose first positional input is the second attention layer's input.
+    second_input_module: nn.Module
+    inputs: FirstLayerInput
+    causal: bool
+    rope: bool
+    final_norm: FinalNorm | None
+    #: The Hugging Face base model if the target is one (enables the key/value-cache prefix search).
+    hf_base_model: nn.Module | None = None
+    #: Token-type / position details a probe needs (BERT: token_type_ids of zeros are the default).
+    hidden_size: int = 0
+
+    def observed_names(self, which: str = "qkv") -> list[str]:
+        """Parameter names DAGER reads from the update dict (the final norm's are optional)."""
+        names = self.first.names(which) + self.second.names(which)
+        if self.final_norm is not None:
+            names += [n for n in (self.final_norm.weight_name, self.final_norm.bias_name) if n]
+        return names
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Lookup helpers
+
+
+def _find_module(model: nn.Module, pattern: str, kind: type | tuple[type, ...] | None = None) -> tuple[str, nn.Module]:
+    """The unique module whose full name matches the regex `pattern` (anchored at a name boundary)."""
+    regex = re.compile(r"(^|\.)" + pattern + r"$")
+    hits = [(name, mod) for name, mod in model.named_modules() if regex.search(name)]
+    if kind is not None:
+        hits = [(n, m) for n, m in hits if isinstance(m, kind)]
+    if len(hits) != 1:
+        found = ", ".join(n for n, _ in hits[:4]) or "none"
+        raise ValueError(f"expected exactly one module named like {pattern!r}, found {len(hits)} ({found})")
+    return hits[0]
+
+
+def _maybe_module(model: nn.Module, pattern: str, kind=None) -> tuple[str, nn.Module] | None:
+    try:
+        return _find_module(model, pattern, kind)
+    except ValueError:
+        return None
+
+
+def _param_name(model: nn.Module, module_name: str, attr: str) -> str:
+    name = f"{module_name}.{attr}" if module_name else attr
+    if name not in dict(model.named_parameters()):
+        raise ValueError(f"parameter {name!r} not found in the target model")
+    return name
+
+
+def _fused(model: nn.Module, module_name: str, attr: str, layout, d: int) -> ProjectionRef:
+    """Fused QKV weight: query, key and value blocks of width d along the output dimension."""
+    name = _param_name(model, module_name, attr)
+    q, k, v = (GradientBlock(name, layout, i * d, (i + 1) * d) for i in range(3))
+    return ProjectionRef(module_name, q, (k, v))
+
+
+def _separate(model: nn.Module, query_module: str, key: str, value: str) -> ProjectionRef:
+    """Separate nn.Linear query/key/value projections, siblings named `key` and `value`."""
+    modules = dict(model.named_modules())
+    parent = query_module.rsplit(".", 1)[0]
+    blocks = []
+    for module_name in (query_module, f"{parent}.{key}", f"{parent}.{value}"):
+        linear = modules.get(module_name)
+        if not isinstance(linear, nn.Linear):
+            raise ValueError(f"expected an nn.Linear named {module_name!r}")
+        blocks.append(GradientBlock(_param_name(model, module_name, "weight"), "out_in", 0, linear.out_features))
+    return ProjectionRef(query_module, blocks[0], tuple(blocks[1:]))
+
+
+def _hf_model(target: nn.Module) -> nn.Module | None:
+    """The Hugging Face PreTrainedModel inside `target` (or `target` itself), if any."""
+    for _, mod in target.named_modules():
+        if hasattr(mod, "config") and hasattr(mod, "base_model") and hasattr(mod.config, "model_type"):
+            return mod
+    return None
+
+
+def _norm_kind(module: nn.Module) -> NormKind | None:
+    if isinstance(module, nn.LayerNorm):
+        return "layernorm"
+    name = type(module).__name__.lower()
+    if "rmsnorm" in name:
+        return "rmsnorm"
+    if "layernorm" in name:
+        return "layernorm"
+    return None
+
+
+def detect_final_norm(target: nn.Module, head: nn.Module | None) -> FinalNorm | None:
+    """The normalisation whose output is the vocabulary projection's input, found by running the model.
+
+    Module names differ (GPT-2 `ln_f`, Llama `norm`, a wrapped BERT's last `output.LayerNorm` or a bare
+    BERT's `cls.predictions.transform.LayerNorm`), so the one that actually feeds `head` in a forward
+    pass of two tokens is taken.
+    """
+    if head is None or getattr(head, "weight", None) is None:
+        return None
+    norms = [(n, m, k) for n, m in target.named_modules() if (k := _norm_kind(m)) is not None]
+    outputs: dict[str, Tensor] = {}
+    box: list[Tensor] = []
+    handles = [m.register_forward_hook(lambda mod, a, out, n=n: outputs.__setitem__(n, out)) for n, m, _ in norms]
+    handles.append(head.register_forward_pre_hook(lambda mod, a: box.append(a[0])))
+    vocab = int(head.weight.shape[0])
+    ids = torch.tensor([[1 % vocab, 7 % vocab]], device=head.weight.device)
+    was_training = target.training
+    target.eval()
+    try:
+        with torch.no_grad():
+            target(ids) if hasattr(target, "body") else target(input_ids=ids)
+    except Exception:  # noqa: BLE001 - detection is best effort; DAGER then skips last-token recovery
+        return None
+    finally:
+        for h in handles:
+            h.remove()
+        target.train(was_training)
+    if not box:
+        return None
+    fed = box[0]
+    params = dict(target.named_parameters())
+    for name, module, kind in reversed(norms):
+        out = outputs.get(name)
+        if isinstance(out, Tensor) and out.shape == fed.shape and torch.equal(out, fed):
+            weight = f"{name}.weight" if f"{name}.weight" in params else None
+            bias = f"{name}.bias" if f"{name}.bias" in params else None
+            eps = getattr(module, "eps", None) or getattr(module, "variance_epsilon", None) or 1e-6
+            return FinalNorm(module, weight, bias, kind, float(eps), head.weight)
+    return None
+
+
+def _with_width(layers: DagerLayers) -> DagerLayers:
+    d = layers.inputs.dim
+    layers.hidden_size = d
+    return layers
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Architectures
+
+
+def _transformer3(target: nn.Module) -> DagerLayers:
+    d = target.hidden_size
+    name0, attn0 = _find_module(target, r"encoder\.layers\.0\.self_attn", nn.MultiheadAttention)
+    name1, attn1 = _find_module(target, r"encoder\.layers\.1\.self_attn", nn.MultiheadAttention)
+    if attn0.in_proj_weight is None:
+        raise ValueError("transformer3 attention without a fused in_proj_weight is not supported")
+    _, layer0 = _find_module(target, r"encoder\.layers\.0", nn.TransformerEncoderLayer)
+    norm, weight, bias, eps = "none", None, None, 0.0
+    if layer0.norm_first:  # pre-LN variant: the first attention reads norm1(x)
+        norm, weight, bias, eps = "layernorm", layer0.norm1.weight, layer0.norm1.bias, layer0.norm1.eps
+    inputs = FirstLayerInput(
+        embedding=target.token_embedding.weight,
+        scale=math.sqrt(d),
+        positions=target.position_embedding.weight,
+        norm=norm,
+        norm_weight=weight,
+        norm_bias=bias,
+        eps=eps,
+    )
+    return DagerLayers(
+        architecture="transformer3",
+        first=_fused(target, name0, "in_proj_weight", "out_in", d),
+        second=_fused(target, name1, "in_proj_weight", "out_in", d),
+        second_input_module=attn1,
+        inputs=inputs,
+        causal=bool(getattr(target, "causal", False)),
+        rope=False,
+        final_norm=detect_final_norm(target, target.decoder),
+    )
+
+
+def _gpt2(target: nn.Module, hf: nn.Module) -> DagerLayers:
+    d = int(hf.config.n_embd)
+    name0, c0 = _find_module(target, r"h\.0\.attn\.c_attn")
+    name1, c1 = _find_module(target, r"h\.1\.attn\.c_attn")
+    _, ln1 = _find_module(target, r"h\.0\.ln_1", nn.LayerNorm)
+    _, wte = _find_module(target, r"wte", nn.Embedding)
+    _, wpe = _find_module(target, r"wpe", nn.Embedding)
+    inputs = FirstLayerInput(
+        embedding=wte.weight, positions=wpe.weight, norm="layernorm", norm_weight=ln1.weight, norm_bias=ln1.bias,
+        eps=float(ln1.eps),
+    )
+    return DagerLayers(
+        architecture="gpt2",
+        first=_fused(target, name0, "weight", "in_out", d),
+        second=_fused(target, name1, "weight", "in_out", d),
+        second_input_module=c1,
+        inputs=inputs,
+        causal=True,
+        rope=False,
+        final_norm=detect_final_norm(target, hf.get_output_embeddings()),
+        hf_base_model=hf.base_model,
+    )
+
+
+def _bert(target: nn.Module, hf: nn.Module) -> DagerLayers:
+    name0, q0 = _find_module(target, r"encoder\.layer\.0\.attention\.self\.query", nn.Linear)
+    name1, q1 = _find_module(target, r"encoder\.layer\.1\.attention\.self\.query", nn.Linear)
+    _, words = _find_module(target, r"embeddings\.word_embeddings", nn.Embedding)
+    _, pos = _find_module(target, r"embeddings\.position_embeddings", nn.Embedding)
+    types = _maybe_module(target, r"embeddings\.token_type_embeddings", nn.Embedding)
+    _, ln = _find_module(target, r"embeddings\.LayerNorm", nn.LayerNorm)
+    if getattr(hf.config, "position_embedding_type", "absolute") != "absolute":
+        raise ValueError("DAGER supports BERT with absolute position embeddings only")
+    inputs = FirstLayerInput(
+        embedding=words.weight, positions=pos.weight, offset=None if types is None else types[1].weight[0],
+        norm="layernorm", norm_weight=ln.weight, norm_bias=ln.bias, eps=float(ln.eps),
+    )
+    return DagerLayers(
+        architecture="bert",
+        first=_separate(target, name0, "key", "value"),
+        second=_separate(target, name1, "key", "value"),
+        second_input_module=q1,
+        inputs=inputs,
+        causal=bool(getattr(hf.config, "is_decoder", False)),
+        rope=False,
+        final_norm=detect_final_norm(target, hf.get_output_embeddings()),
+        hf_base_model=None,  # BERT's cache path is not used: the full re-computation is exact and simple
+    )
+
+
+def _llama(target: nn.Module, hf: nn.Module) -> DagerLayers:
+    name0, q0 = _find_module(target, r"layers\.0\.self_attn\.q_proj", nn.Linear)
+    name1, q1 = _find_module(target, r"layers\.1\.self_attn\.q_proj", nn.Linear)
+    _, emb = _find_module(target, r"embed_tokens", nn.Embedding)
+    _, norm0 = _find_module(target, r"layers\.0\.input_layernorm")
+    inputs = FirstLayerInput(
+        embedding=emb.weight, positions=None, norm="rmsnorm", norm_weight=norm0.weight,
+        eps=float(getattr(norm0, "variance_epsilon", getattr(norm0, "eps", 1e-6))),
+    )
+    return DagerLayers(
+        architecture="llama",
+        first=_separate(target, name0, "k_proj", "v_proj"),
+        second=_separate(target, name1, "k_proj", "v_proj"),
+        second_input_module=q1,
+        inputs=inputs,
+        causal=True,
+        rope=True,
+        final_norm=detect_final_norm(target, hf.get_output_embeddings()),
+        hf_base_model=hf.base_model,
+    )
+
+
+_HF_ADAPTERS = {
+    "gpt2": _gpt2,
+    "bert": _bert,
+    "llama": _llama,
+    "mistral": _llama,
+    "qwen2": _llama,
+}
+
+
+def find_layers(target: nn.Module) -> DagerLayers:
+    """Locate everything DAGER needs in `target`; raises ValueError for unsupported architectures."""
+    from lti.targets.transformer3 import Transformer3
+
+    if isinstance(target, Transformer3):
+        if len(target.encoder.layers) < 2:
+            raise ValueError("DAGER needs at least two attention layers")
+        return _with_width(_transformer3(target))
+    hf = _hf_model(target)
+    if hf is None:
+        raise ValueError(
+            f"DAGER does not know the architecture of {type(target).__name__}; supported: transformer3 and "
+            f"Hugging Face {', '.join(sorted(_HF_ADAPTERS))}"
+        )
+    model_type = hf.config.model_type
+    if model_type not in _HF_ADAPTERS:
+        raise ValueError(f"DAGER does not support Hugging Face model_type {model_type!r}; supported: {', '.join(sorted(_HF_ADAPTERS))}")
+    layers = _HF_ADAPTERS[model_type](target, hf)
+    return _with_width(layers)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reading layer inputs from the running model (used by the second-layer check and by tests)
+
+
+class _Stop(Exception):
+    """Raised by a hook once the wanted activation is captured: the rest of the model never runs."""
+
+
+def capture_input(module: nn.Module, run) -> Tensor:
+    """Run `run()` and return the first positional input of `module`, stopping the forward there."""
+    box: list[Tensor] = []
+
+    def hook(mod, args, kwargs):
+        x = args[0] if args else next(v for v in kwargs.values() if isinstance(v, Tensor))
+        box.append(x)
+        raise _Stop
+
+    handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        run()
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    if not box:
+        raise RuntimeError(f"module {type(module).__name__} was not called by the forward pass")
+    return box[0]
+
+
+def find_module_by_name(model: nn.Module, name: str) -> nn.Module:
+    return dict(model.named_modules())[name]

