@@ -11,25 +11,12 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from functools import lru_cache
 
 import torch
 from torch import Tensor
 
-ROUGE_KEYS = ("rouge1", "rouge2", "rougeL")
-
-
-@lru_cache(maxsize=1)
-def _scorer():
-    from rouge_score import rouge_scorer
-
-    return rouge_scorer.RougeScorer(list(ROUGE_KEYS), use_stemmer=True)
-
-
-def rouge(prediction: str, reference: str) -> dict[str, float]:
-    """ROUGE-1/2/L F-measure of one pair (rouge_score, stemmer on)."""
-    scores = _scorer().score(reference, prediction)
-    return {k: float(scores[k].fmeasure) for k in ROUGE_KEYS}
+from lti.metrics import ROUGE_TYPES as ROUGE_KEYS
+from lti.metrics import rouge_f as rouge  # one ROUGE implementation for learned and exact attacks
 
 
 def references(input_ids: Tensor, attention_mask: Tensor | None = None) -> list[list[int]]:

@@ -33,6 +33,18 @@ class Registry(Generic[T]):
     def create(self, name: str, **kwargs) -> T:
         return self.get(name)(**kwargs)
 
+    def base(self) -> type:
+        """A mixin for a base class: every subclass that defines `name` registers itself here."""
+        registry = self
+
+        class AutoRegistered:
+            def __init_subclass__(cls, **kwargs) -> None:
+                super().__init_subclass__(**kwargs)
+                if "name" in cls.__dict__:
+                    registry.register(cls.name, cls)
+
+        return AutoRegistered
+
 
 def materialize(obj):
     """A real, fresh instance for a `jsonargparse.lazy_instance` default (else `obj` itself).

@@ -21,13 +21,8 @@ from lti.registry import Registry
 DEFENSES: Registry["Defense"] = Registry("defense")
 
 
-class Defense(ABC):
+class Defense(DEFENSES.base(), ABC):
     name: ClassVar[str]
-
-    def __init_subclass__(cls, **kwargs) -> None:
-        super().__init_subclass__(**kwargs)
-        if "name" in cls.__dict__:
-            DEFENSES.register(cls.name, cls)
 
     @classmethod
     def create(cls, name: str, **kwargs) -> "Defense":

@@ -20,13 +20,8 @@ CORPORA: Registry["TextCorpus"] = Registry("corpus")
 SPLITS = ("auxiliary", "evaluation")
 
 
-class TextCorpus(ABC):
+class TextCorpus(CORPORA.base(), ABC):
     name: ClassVar[str]
-
-    def __init_subclass__(cls, **kwargs) -> None:
-        super().__init_subclass__(**kwargs)
-        if "name" in cls.__dict__:
-            CORPORA.register(cls.name, cls)
 
     @abstractmethod
     def load(self):
