@@ -7,6 +7,7 @@ its own metric objects.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -29,7 +30,6 @@ class InversionModule(LightningModule):
         weight_decay: float = 0.0,
         scheduler: Literal["constant", "cosine"] = "constant",
         warmup_steps: int = 0,
-        table_rows: int = 20,
     ) -> None:
         """
         Args:
@@ -38,7 +38,6 @@ class InversionModule(LightningModule):
             weight_decay: Adam weight decay.
             scheduler: `constant` or `cosine` decay to 0 over `trainer.max_steps` (or the estimated steps).
             warmup_steps: Linear warm-up steps.
-            table_rows: Reference/reconstruction pairs printed and logged as a table per evaluation.
         """
         super().__init__()
         if lr <= 0:
@@ -75,7 +74,7 @@ class InversionModule(LightningModule):
                 return (step + 1) / warmup
             if self.hparams.scheduler == "cosine":
                 progress = min(1.0, (step - warmup) / max(1, total - warmup))
-                return 0.5 * (1.0 + torch.cos(torch.tensor(progress * torch.pi)).item())
+                return 0.5 * (1.0 + math.cos(math.pi * progress))
             return 1.0
 
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -124,3 +124,12 @@ def test_each_attack_composes_with_each_defense(base, defense, capsys):
     parsed = yaml.safe_load(capsys.readouterr().out)
     assert parsed["data"]["training_data"] == ("pseudo" if "lti_p" in base else "auxiliary")
     assert parsed["data"]["defense"]["class_path"].startswith("datamodules.federated.")
+
+
+def test_cosine_schedule_with_warmup_decays_to_zero_at_max_steps(make_config, tmp_path):
+    config = make_config(**{"model.scheduler": "cosine", "model.warmup_steps": 1, "trainer.limit_val_batches": 0})
+    main(["fit", "--config", str(config)])
+    state = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
+    assert state["global_step"] == 4
+    assert state["lr_schedulers"][0]["_last_lr"][0] == pytest.approx(0.0, abs=1e-12)
+    assert state["lr_schedulers"][0]["base_lrs"][0] == pytest.approx(1e-3)
