@@ -78,35 +78,31 @@ def per_example_gradients_vmap(
         return per_example_gradients_loop(target, names, input_ids, attention_mask)
     wrapper = _BodyThenHead(target)
     num = input_ids.shape[0]
-    frozen = {f"target.{name}": p.detach() for name, p in target.named_parameters() if name not in names}
-    frozen.update({f"target.{name}": b for name, b in target.named_buffers()})
-    params = dict(target.named_parameters())
+    # Every parameter and buffer detached: the body overrides the observed ones with per-sequence
+    # copies; the batched head uses them as they are, so it computes no V x d weight gradient.
+    detached = {f"target.{name}": p.detach() for name, p in target.named_parameters()}
+    detached.update({f"target.{name}": b for name, b in target.named_buffers()})
     # One copy of every observed parameter per sequence: sequence n only touches copy n, so the
     # gradient of the summed loss w.r.t. copy n is sequence n's own gradient. The copies are
     # stride-0 expansions (no memory); their gradients come back full-size.
     copies = {
-        f"target.{name}": params[name].detach().expand(num, *params[name].shape).requires_grad_(True)
+        f"target.{name}": detached[f"target.{name}"].expand(num, *detached[f"target.{name}"].shape).requires_grad_(True)
         for name in names
     }
 
     def body_one(own: dict[str, Tensor], ids: Tensor, mask: Tensor | None) -> Tensor:
         mask = None if mask is None else mask.unsqueeze(0)
-        return functional_call(wrapper, {**frozen, **own}, (ids.unsqueeze(0), mask, "body")).squeeze(0)
+        return functional_call(wrapper, {**detached, **own}, (ids.unsqueeze(0), mask, "body")).squeeze(0)
 
     mask_dim = None if attention_mask is None else 0
     hidden = vmap(body_one, in_dims=(0, 0, mask_dim), randomness="different")(copies, input_ids, attention_mask)
     # The last position predicts nothing: skip its (V-wide) head computation.
-    logits = functional_call(wrapper, frozen_head(target), (hidden[:, :-1], None, "head"))
+    logits = functional_call(wrapper, detached, (hidden[:, :-1], None, "head"))
     loss = next_token_loss(logits, input_ids, attention_mask).sum()
     grads = torch.autograd.grad(loss, list(copies.values()), allow_unused=True)
     return torch.cat(
         [(torch.zeros_like(c) if g is None else g).reshape(num, -1) for g, c in zip(grads, copies.values())], dim=1
     )
-
-
-def frozen_head(target: TargetLM) -> dict[str, Tensor]:
-    """All parameters detached, so the batched head computes no weight gradient (V x d per token)."""
-    return {f"target.{name}": p.detach() for name, p in target.named_parameters()}
 
 
 class FedSGDClient:
