@@ -1,0 +1,391 @@
+"""`lti matrix --grid configs/matrix/small.yaml`: attacks x defenses x client protocols in one table.
+
+A grid file names config overlays per axis; every cell of the grid is an ordinary `lti` run built by
+stacking them (base configs, protocol, defense, attack, then the grid's overrides):
+
+* a **learned** attack (LTI, LTI-P) is `lti fit` (adaptive: the inverter trains on updates made by the
+  same protocol and defense) followed by `lti test` on held-out clients;
+* an **exact** attack (DAGER, SPEAR) is `lti test` with its callback overlay and no checkpoint.
+
+Each finished cell writes `cells/<protocol>__<defense>__<attack>/cell.json`; a rerun skips cells whose
+file exists with the same arguments (so a partly finished grid resumes where it stopped) and redoes
+cells whose arguments changed or that failed. A cell that does not apply is written as "n/a" with the
+grid's reason, never run. The table goes to `matrix.csv`, `matrix.json`, `matrix.md`, the plots to
+`*.png`, and all of them to one W&B run (offline unless the grid says otherwise).
+
+This module drives the CLI; it holds no model code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+# What a cell reports, read from `test_metrics.json` under the attack's metric prefix.
+METRICS = ("token_acc", "rouge1", "rouge2", "rougeL")
+KINDS = ("learned", "exact")
+
+
+@dataclass
+class Entry:
+    """One value on one axis of the grid: config overlays and dotted overrides."""
+
+    name: str
+    configs: list[str] = field(default_factory=list)
+    overrides: dict[str, Any] = field(default_factory=dict)
+    # Attacks only:
+    kind: str = "learned"
+    metrics_prefix: str = "test/lti"
+    extra_metrics: list[str] = field(default_factory=list)
+    # Which settings the attack does not apply to: {protocol or defense name: reason}.
+    not_applicable: dict[str, str] = field(default_factory=dict)
+    # Defenses only: the noise level on the privacy-utility plot's x axis.
+    noise: float | None = None
+
+
+@dataclass
+class Grid:
+    out_dir: Path
+    base: list[str]
+    overrides: dict[str, Any]
+    attacks: list[Entry]
+    defenses: list[Entry]
+    protocols: list[Entry]
+    wandb: dict[str, Any]
+
+    def cells(self) -> list[tuple[Entry, Entry, Entry]]:
+        return [(p, d, a) for p in self.protocols for d in self.defenses for a in self.attacks]
+
+
+_ENTRY_KEYS = {"configs", "overrides", "kind", "metrics_prefix", "extra_metrics", "not_applicable", "noise"}
+
+
+def _entries(raw: Any, axis: str, source: Path) -> list[Entry]:
+    if not isinstance(raw, dict) or not raw:
+        raise ValueError(f"grid {source}: '{axis}' must be a non-empty mapping of name -> overlays")
+    entries = []
+    for name, spec in raw.items():
+        spec = {} if spec is None else spec
+        if isinstance(spec, (str, list)):
+            spec = {"configs": [spec] if isinstance(spec, str) else spec}
+        unknown = set(spec) - _ENTRY_KEYS
+        if unknown:
+            raise ValueError(f"grid {source}: {axis}.{name} has unknown keys {sorted(unknown)}; allowed: {sorted(_ENTRY_KEYS)}")
+        entry = Entry(name=str(name), **spec)
+        if "__" in entry.name or "/" in entry.name:
+            raise ValueError(f"grid {source}: name {entry.name!r} may not contain '__' or '/'")
+        if entry.kind not in KINDS:
+            raise ValueError(f"grid {source}: {axis}.{name}.kind={entry.kind!r}; use one of {list(KINDS)}")
+        entries.append(entry)
+    return entries
+
+
+def load_grid(path: str | Path, out_dir: str | Path | None = None) -> Grid:
+    """Reads a grid file; relative config paths are taken from the current directory (the repo root)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"grid file {str(path)!r} does not exist")
+    raw = yaml.safe_load(path.read_text()) or {}
+    unknown = set(raw) - {"out_dir", "base", "overrides", "attacks", "defenses", "protocols", "wandb"}
+    if unknown:
+        raise ValueError(f"grid {path}: unknown top-level keys {sorted(unknown)}")
+    grid = Grid(
+        out_dir=Path(out_dir or raw.get("out_dir") or Path("runs/matrix") / path.stem),
+        base=list(raw.get("base") or []),
+        overrides=dict(raw.get("overrides") or {}),
+        attacks=_entries(raw.get("attacks"), "attacks", path),
+        defenses=_entries(raw.get("defenses"), "defenses", path),
+        protocols=_entries(raw.get("protocols"), "protocols", path),
+        wandb={"project": "lti", "mode": "offline", **(raw.get("wandb") or {})},
+    )
+    for entry in [*grid.attacks, *grid.defenses, *grid.protocols]:
+        for config in [*grid.base, *entry.configs]:
+            if not Path(config).is_file():
+                raise FileNotFoundError(f"grid {path}: config {config!r} ({entry.name}) does not exist")
+    return grid
+
+
+# --------------------------------------------------------------------------------------------------------
+# One cell
+
+
+def _flag(key: str, value: Any) -> list[str]:
+    return [f"--{key}", value if isinstance(value, str) else json.dumps(value)]
+
+
+def cell_id(protocol: Entry, defense: Entry, attack: Entry) -> str:
+    return f"{protocol.name}__{defense.name}__{attack.name}"
+
+
+def cell_commands(grid: Grid, protocol: Entry, defense: Entry, attack: Entry) -> list[list[str]]:
+    """The `lti` argument lists that make one cell: [fit, test] for learned attacks, [test] for exact ones."""
+    folder = grid.out_dir / "cells" / cell_id(protocol, defense, attack)
+    configs = [c for entry in (protocol, defense, attack) for c in entry.configs]
+    args = [a for c in [*grid.base, *configs] for a in ("--config", c)]
+    overrides = {
+        # Cells log to the matrix's W&B run, not one run each; their files stay in the cell folder.
+        "trainer.logger": False,
+        "trainer.enable_progress_bar": False,
+        **grid.overrides, **protocol.overrides, **defense.overrides, **attack.overrides,
+        "trainer.default_root_dir": str(folder / "run"),
+        "checkpoint.dirpath": str(folder / "ckpt"),
+        "results.print_table": False,
+    }
+    args += [a for key, value in overrides.items() for a in _flag(key, value)]
+    if attack.kind == "exact":
+        return [["test", *args]]
+    return [["fit", *args], ["test", *args, "--ckpt_path", str(folder / "ckpt" / "last.ckpt")]]
+
+
+def _fingerprint(commands: list[list[str]]) -> str:
+    return hashlib.sha256(json.dumps(commands).encode()).hexdigest()[:16]
+
+
+def _find(tree: Any, key: str) -> Any:
+    """First value stored under `key` anywhere in a nested dict (e.g. the DP defense's epsilon)."""
+    if isinstance(tree, dict):
+        if key in tree:
+            return tree[key]
+        for value in tree.values():
+            found = _find(value, key)
+            if found is not None:
+                return found
+    return None
+
+
+def _run_lti(args: list[str], inline: bool, log) -> None:
+    if inline:
+        from lti.cli import run  # the caller's process: no Lightning start-up per cell (tests)
+
+        run(args)  # errors propagate with their message (`main` would print and exit)
+        return
+    env = {**os.environ, "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1"}
+    completed = subprocess.run([sys.executable, "-m", "lti.cli", *args], stdout=log, stderr=subprocess.STDOUT, env=env)
+    if completed.returncode:
+        raise RuntimeError(f"lti {args[0]} exited with status {completed.returncode}")
+
+
+def run_cell(grid: Grid, protocol: Entry, defense: Entry, attack: Entry, inline: bool = False) -> dict:
+    folder = grid.out_dir / "cells" / cell_id(protocol, defense, attack)
+    folder.mkdir(parents=True, exist_ok=True)
+    record: dict[str, Any] = {"protocol": protocol.name, "defense": defense.name, "attack": attack.name,
+                              "kind": attack.kind, "noise": defense.noise}
+    reason = attack.not_applicable.get(protocol.name) or attack.not_applicable.get(defense.name)
+    commands = cell_commands(grid, protocol, defense, attack)
+    record["fingerprint"] = _fingerprint(commands)
+    if reason:
+        return {**record, "status": "n/a", "reason": reason}
+    record["commands"] = [["lti", *c] for c in commands]
+    start = time.perf_counter()
+    with open(folder / "log.txt", "w") as log:
+        try:
+            for args in commands:
+                _run_lti(args, inline, log)
+            result = json.loads((folder / "run" / "test_metrics.json").read_text())
+        except (Exception, SystemExit) as error:  # noqa: BLE001 - one failed cell must not stop the grid
+            tail = (folder / "log.txt").read_text().strip().splitlines()[-1:] if not inline else []
+            reason = tail[0] if tail else f"{type(error).__name__}: {error}"
+            return {**record, "status": "failed", "reason": reason[:300],
+                    "seconds": time.perf_counter() - start}
+    metrics = result["metrics"]
+    prefix = attack.metrics_prefix.rstrip("/")
+    values = {m: metrics.get(f"{prefix}/{m}") for m in (*METRICS, *attack.extra_metrics)}
+    values["baseline_token_acc"] = metrics.get("test/baseline/token_acc")
+    return {**record, "status": "ok", "metrics": values, "epsilon": _find(result.get("setting"), "epsilon"),
+            "num_updates": result.get("num_updates"), "seconds": time.perf_counter() - start}
+
+
+# --------------------------------------------------------------------------------------------------------
+# The grid
+
+
+def run_grid(grid: Grid, inline: bool = False, only: list[str] | None = None, echo=print) -> list[dict]:
+    """Runs (or resumes) every cell and writes the tables and plots. Returns the cell records."""
+    cells = [c for c in grid.cells() if not only or c[2].name in only]
+    records = []
+    for number, (protocol, defense, attack) in enumerate(cells, 1):
+        name = f"[{number}/{len(cells)}] {protocol.name} x {defense.name} x {attack.name}"
+        path = grid.out_dir / "cells" / cell_id(protocol, defense, attack) / "cell.json"
+        fingerprint = _fingerprint(cell_commands(grid, protocol, defense, attack))
+        if path.is_file():
+            previous = json.loads(path.read_text())
+            if previous.get("fingerprint") == fingerprint and previous.get("status") in ("ok", "n/a"):
+                echo(f"{name}: done before, skipped")
+                records.append(previous)
+                continue
+        echo(f"{name}: running ...")
+        record = run_cell(grid, protocol, defense, attack, inline=inline)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=2) + "\n")
+        echo(f"{name}: {_summary(record)}")
+        records.append(record)
+    write_outputs(grid, records)
+    return records
+
+
+def _summary(record: dict) -> str:
+    if record["status"] != "ok":
+        return f"{record['status']} ({record.get('reason')})"
+    m = record["metrics"]
+    parts = [f"{k} {100 * m[k]:.1f}%" for k in ("token_acc", "rouge1") if m.get(k) is not None]
+    parts += [f"{k} {100 * m[k]:.1f}%" for k in m if k not in METRICS and k != "baseline_token_acc" and m[k] is not None]
+    return ", ".join(parts) + f" ({record.get('seconds', 0):.0f} s)"
+
+
+def _cell_text(record: dict | None) -> str:
+    if record is None:
+        return ""
+    if record["status"] != "ok":
+        return f"{record['status']}: {record.get('reason', '')}".replace("|", "/")
+    m = record["metrics"]
+    shown = [f"{100 * m[k]:.1f}" if m.get(k) is not None else "-" for k in ("token_acc", "rouge1")]
+    extra = [f"{k} {100 * m[k]:.1f}" for k in m if k not in METRICS and k != "baseline_token_acc" and m[k] is not None]
+    return " / ".join(shown) + (f" ({', '.join(extra)})" if extra else "")
+
+
+def write_outputs(grid: Grid, records: list[dict]) -> None:
+    out = grid.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "matrix.json").write_text(json.dumps(records, indent=2) + "\n")
+    with open(out / "matrix.csv", "w", newline="") as handle:
+        extra = sorted({k for r in records for k in (r.get("metrics") or {}) if k not in METRICS})
+        writer = csv.writer(handle)
+        writer.writerow(["protocol", "defense", "attack", "status", *METRICS, *extra, "epsilon", "seconds", "reason"])
+        for r in records:
+            m = r.get("metrics") or {}
+            writer.writerow([r["protocol"], r["defense"], r["attack"], r["status"], *(m.get(k) for k in (*METRICS, *extra)),
+                             r.get("epsilon"), r.get("seconds"), r.get("reason", "")])
+    (out / "matrix.md").write_text(markdown_table(grid, records))
+    plots = write_plots(grid, records)
+    log_to_wandb(grid, records, plots)
+
+
+def markdown_table(grid: Grid, records: list[dict]) -> str:
+    by_key = {(r["protocol"], r["defense"], r["attack"]): r for r in records}
+    attacks = [a.name for a in grid.attacks if any(r["attack"] == a.name for r in records)]
+    lines = ["Cells: token accuracy / ROUGE-1 (%) on held-out clients; extra metrics in brackets.", "",
+             "| protocol | defense | epsilon | " + " | ".join(attacks) + " | baseline |",
+             "|---|---|---|" + "---|" * (len(attacks) + 1)]
+    for p in grid.protocols:
+        for d in grid.defenses:
+            row = [by_key.get((p.name, d.name, a)) for a in attacks]
+            if not any(row):
+                continue
+            eps = next((r.get("epsilon") for r in row if r and r.get("epsilon") is not None), None)
+            base = next((r["metrics"].get("baseline_token_acc") for r in row if r and r.get("metrics")), None)
+            lines.append(f"| {p.name} | {d.name} | {'' if eps is None else f'{eps:.3g}'} | "
+                         + " | ".join(_cell_text(r) for r in row)
+                         + f" | {'' if base is None else f'{100 * base:.1f}'} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_plots(grid: Grid, records: list[dict]) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in records if r["status"] == "ok"]
+    attacks = [a.name for a in grid.attacks if any(r["attack"] == a.name for r in ok)]
+    protocols = [p.name for p in grid.protocols if any(r["protocol"] == p.name for r in ok)]
+    defenses = [d.name for d in grid.defenses]
+    paths = []
+    if not ok:
+        return paths
+    for metric in ("rouge1", "token_acc"):
+        fig, axes = plt.subplots(1, len(protocols), figsize=(max(4.0, 1.2 * len(defenses)) * len(protocols), 3.6),
+                                 squeeze=False, sharey=True)
+        width = 0.8 / max(1, len(attacks))
+        for ax, protocol in zip(axes[0], protocols):
+            for i, attack in enumerate(attacks):
+                values = []
+                for d in defenses:
+                    r = next((r for r in ok if (r["protocol"], r["defense"], r["attack"]) == (protocol, d, attack)), None)
+                    values.append(float("nan") if r is None or r["metrics"].get(metric) is None else 100 * r["metrics"][metric])
+                ax.bar([x + i * width for x in range(len(defenses))], values, width, label=attack)
+            ax.set_xticks([x + 0.4 - width / 2 for x in range(len(defenses))], defenses, rotation=30, ha="right")
+            ax.set_title(protocol)
+            ax.set_ylim(0, 100)
+        axes[0][0].set_ylabel(f"{metric} (%)")
+        axes[0][-1].legend(fontsize=8)
+        fig.tight_layout()
+        path = grid.out_dir / f"{metric}_by_defense.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    noisy = [r for r in ok if r.get("noise") is not None]
+    if noisy:
+        fig, ax = plt.subplots(figsize=(5.5, 3.8))
+        for protocol in protocols:
+            for attack in attacks:
+                points = sorted((r["noise"], 100 * r["metrics"]["rouge1"]) for r in noisy
+                                if r["protocol"] == protocol and r["attack"] == attack and r["metrics"].get("rouge1") is not None)
+                if points:
+                    ax.plot(*zip(*points), marker="o", label=f"{attack} ({protocol})")
+        for r in noisy:  # annotate epsilon where the accountant gave one
+            if r.get("epsilon") is not None and r["attack"] == attacks[0]:
+                ax.annotate(f"eps={r['epsilon']:.3g}", (r["noise"], 100 * (r["metrics"].get("rouge1") or 0)), fontsize=7)
+        ax.set_xscale("log")
+        ax.set_xlabel("noise (DP-SGD noise multiplier / Gaussian sigma)")
+        ax.set_ylabel("ROUGE-1 (%)")
+        ax.set_title("privacy vs recovery")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = grid.out_dir / "privacy_utility.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def log_to_wandb(grid: Grid, records: list[dict], plots: list[Path]) -> None:
+    if grid.wandb.get("mode") == "disabled":
+        return
+    import wandb
+
+    run = wandb.init(project=grid.wandb.get("project", "lti"), mode=grid.wandb.get("mode", "offline"),
+                     name=grid.wandb.get("name", f"matrix-{grid.out_dir.name}"), dir=str(grid.out_dir), reinit=True)
+    columns = ["protocol", "defense", "attack", "status", *METRICS, "epsilon", "reason"]
+    rows = [[r["protocol"], r["defense"], r["attack"], r["status"], *((r.get("metrics") or {}).get(k) for k in METRICS),
+             r.get("epsilon"), r.get("reason", "")] for r in records]
+    run.log({"matrix": wandb.Table(columns=columns, data=rows), **{p.stem: wandb.Image(str(p)) for p in plots}})
+    run.finish()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="lti matrix", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--grid", required=True, help="grid YAML (see configs/matrix/)")
+    parser.add_argument("--out_dir", help="where cells, tables and plots go (default: the grid's out_dir)")
+    parser.add_argument("--only", nargs="+", metavar="ATTACK", help="run only these attacks' cells")
+    parser.add_argument("--inline", action="store_true", help="run cells in this process (faster, less isolated)")
+    parser.add_argument("--dry_run", action="store_true", help="print each cell's lti commands and stop")
+    args = parser.parse_args(argv)
+    try:
+        grid = load_grid(args.grid, args.out_dir)
+        if args.dry_run:
+            for protocol, defense, attack in grid.cells():
+                for command in cell_commands(grid, protocol, defense, attack):
+                    print("lti " + " ".join(command))
+            return
+        records = run_grid(grid, inline=args.inline, only=args.only)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"lti matrix: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    failed = [r for r in records if r["status"] == "failed"]
+    print(f"\n{len(records)} cells ({len(failed)} failed) -> {grid.out_dir / 'matrix.md'}")
+    print((grid.out_dir / "matrix.md").read_text())
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

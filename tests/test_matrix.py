@@ -1,0 +1,126 @@
+"""The attack x defense x protocol matrix on a tiny grid (cells run in-process)."""
+
+import csv
+import json
+
+import pytest
+import yaml
+
+from lti.matrix import cell_commands, load_grid, main, run_grid
+
+from conftest import REPO
+
+
+@pytest.fixture
+def grid_file(make_config, tmp_path):
+    base = make_config(**{"trainer.max_steps": 2, "trainer.limit_val_batches": 0, "data.eval_samples": 4,
+                          # DAGER needs two attention layers; 8 tokens per update stay below d = 16.
+                          "data.target.init_args.num_layers": 2})
+    grid = {
+        "out_dir": str(tmp_path / "matrix"),
+        "base": [str(base)],
+        "overrides": {"trainer.max_steps": 2},
+        "protocols": {"fedsgd": None},
+        "defenses": {
+            "none": str(REPO / "configs/defenses/none.yaml"),
+            "gauss": {"configs": [str(REPO / "configs/defenses/gaussian.yaml")], "noise": 0.01},
+        },
+        "attacks": {
+            "lti": None,
+            "dager": {"kind": "exact", "configs": [str(REPO / "configs/exact/dager.yaml")], "metrics_prefix": "test/dager",
+                      "extra_metrics": ["exact_fraction"], "not_applicable": {"gauss": "noise breaks exactness"}},
+        },
+        "wandb": {"mode": "offline"},
+    }
+    path = tmp_path / "grid.yaml"
+    path.write_text(yaml.safe_dump(grid, sort_keys=False))
+    return path
+
+
+def test_grid_runs_writes_tables_and_plots_and_resumes(grid_file, tmp_path):
+    grid = load_grid(grid_file)
+    lines: list[str] = []
+    records = run_grid(grid, inline=True, echo=lines.append)
+    assert [(r["defense"], r["attack"], r["status"]) for r in records] == [
+        ("none", "lti", "ok"), ("none", "dager", "ok"), ("gauss", "lti", "ok"), ("gauss", "dager", "n/a")]
+    by = {(r["defense"], r["attack"]): r for r in records}
+    # The exact attack on a tiny undefended update recovers the sequences; the cell reads its own metrics.
+    assert by["none", "dager"]["metrics"]["rouge1"] == pytest.approx(1.0)
+    assert by["none", "dager"]["metrics"]["exact_fraction"] == pytest.approx(1.0)
+    assert 0.0 <= by["none", "lti"]["metrics"]["token_acc"] <= 1.0
+    assert by["gauss", "dager"]["reason"] == "noise breaks exactness"
+    # A learned cell really trained (fit wrote a checkpoint) and tested it.
+    assert (grid.out_dir / "cells" / "fedsgd__none__lti" / "ckpt" / "last.ckpt").is_file()
+
+    out = grid.out_dir
+    rows = list(csv.DictReader((out / "matrix.csv").open()))
+    assert len(rows) == 4 and rows[1]["attack"] == "dager" and float(rows[1]["rouge1"]) == pytest.approx(1.0)
+    table = (out / "matrix.md").read_text()
+    assert "| fedsgd | none |" in table and "n/a: noise breaks exactness" in table
+    for plot in ("rouge1_by_defense.png", "token_acc_by_defense.png", "privacy_utility.png"):
+        assert (out / plot).read_bytes()[:4] == b"\x89PNG", plot
+    assert list(out.glob("wandb/offline-run-*"))
+
+    # Resume: nothing is recomputed ...
+    lines.clear()
+    again = run_grid(grid, inline=True, echo=lines.append)
+    assert all(line.endswith("done before, skipped") for line in lines) and len(lines) == 4
+    assert [r["metrics"] for r in again if r["status"] == "ok"] == [r["metrics"] for r in records if r["status"] == "ok"]
+    # ... unless a cell's arguments change: only the changed defense's cell runs again.
+    grid.defenses[0].overrides = {"data.hash_bins": 9}
+    lines.clear()
+    run_grid(grid, inline=True, echo=lines.append, only=["dager"])
+    assert lines == ["[1/2] fedsgd x none x dager: running ...", lines[1], "[2/2] fedsgd x gauss x dager: done before, skipped"]
+    assert lines[1].startswith("[1/2] fedsgd x none x dager: token_acc 100.0%")
+
+
+def test_failed_cell_is_recorded_and_the_grid_goes_on(grid_file):
+    grid = load_grid(grid_file)
+    grid.attacks[0].overrides = {"data.seq_len": 99}  # longer than the target's positions
+    records = run_grid(grid, inline=True, only=["lti"], echo=lambda _: None)
+    assert [r["status"] for r in records] == ["failed", "failed"]
+    assert "exceeds the target model" in records[0]["reason"]
+    assert "failed" in (grid.out_dir / "matrix.md").read_text()
+
+
+def test_cells_stack_configs_in_order_and_isolate_outputs(grid_file):
+    grid = load_grid(grid_file)
+    protocol, defense, attack = grid.protocols[0], grid.defenses[1], grid.attacks[0]
+    fit, test = cell_commands(grid, protocol, defense, attack)
+    assert fit[0] == "fit" and test[0] == "test" and test[-2] == "--ckpt_path"
+    configs = [fit[i + 1] for i, a in enumerate(fit) if a == "--config"]
+    assert configs[-1].endswith("gaussian.yaml")
+    assert fit[fit.index("--trainer.default_root_dir") + 1].endswith("fedsgd__gauss__lti/run")
+    (exact,) = cell_commands(grid, protocol, defense, grid.attacks[1])
+    assert exact[0] == "test" and "--ckpt_path" not in exact
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"attacks": {"x": {"kind": "magic"}}}, "kind='magic'"),
+        ({"attacks": {"x": {"colour": 1}}}, "unknown keys ['colour']"),
+        ({"defenses": {"a__b": None}}, "may not contain '__'"),
+        ({"protocols": {"p": "/no/such.yaml"}}, "'/no/such.yaml' (p) does not exist"),
+        ({"protocols": {}}, "'protocols' must be a non-empty mapping"),
+    ],
+)
+def test_bad_grid_gives_one_line(grid_file, capsys, change, message):
+    grid = yaml.safe_load(grid_file.read_text())
+    grid.update(change)
+    grid_file.write_text(yaml.safe_dump(grid, sort_keys=False))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--grid", str(grid_file), "--dry_run"])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_every_shipped_grid_loads_and_names_existing_configs(monkeypatch):
+    monkeypatch.chdir(REPO)  # grid files name configs relative to the repository root
+    grids = sorted((REPO / "configs" / "matrix").glob("*.yaml"))
+    assert grids
+    for path in grids:
+        grid = load_grid(path)
+        for protocol, defense, attack in grid.cells():
+            assert cell_commands(grid, protocol, defense, attack)
+        assert json.dumps([c.name for c in grid.attacks])
