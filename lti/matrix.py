@@ -210,28 +210,51 @@ def run_cell(grid: Grid, protocol: Entry, defense: Entry, attack: Entry, inline:
 # The grid
 
 
-def run_grid(grid: Grid, inline: bool = False, only: list[str] | None = None, echo=print) -> list[dict]:
-    """Runs (or resumes) every cell and writes the tables and plots. Returns the cell records."""
-    cells = [c for c in grid.cells() if not only or c[2].name in only]
-    records = []
+def run_grid(grid: Grid, inline: bool = False, only: dict[str, list[str]] | None = None, echo=print) -> list[dict]:
+    """Runs (or resumes) the selected cells and writes the tables and plots.
+
+    `only` restricts the run to some names per axis, e.g. {"attack": ["dager"], "protocol": [...]}.
+    The tables cover every cell of the grid finished so far (this run or earlier ones), so a large
+    grid can be filled in slices. Returns those records.
+    """
+    only = {axis: set(names) for axis, names in (only or {}).items() if names}
+    unknown = set(only) - {"protocol", "defense", "attack"}
+    if unknown:
+        raise ValueError(f"cannot select cells by {sorted(unknown)}; use protocol, defense or attack")
+    for axis, names in only.items():
+        known = {e.name for e in getattr(grid, f"{axis}s")}
+        if names - known:
+            raise ValueError(f"unknown {axis} {sorted(names - known)}; the grid has {sorted(known)}")
+
+    def selected(cell: tuple[Entry, Entry, Entry]) -> bool:
+        return all(entry.name in only.get(axis, {entry.name}) for axis, entry in zip(("protocol", "defense", "attack"), cell))
+
+    cells = [c for c in grid.cells() if selected(c)]
     for number, (protocol, defense, attack) in enumerate(cells, 1):
         name = f"[{number}/{len(cells)}] {protocol.name} x {defense.name} x {attack.name}"
-        path = grid.out_dir / "cells" / cell_id(protocol, defense, attack) / "cell.json"
-        fingerprint = _fingerprint(cell_commands(grid, protocol, defense, attack))
-        if path.is_file():
-            previous = json.loads(path.read_text())
-            if previous.get("fingerprint") == fingerprint and previous.get("status") in ("ok", "n/a"):
-                echo(f"{name}: done before, skipped")
-                records.append(previous)
-                continue
+        if _finished(grid, protocol, defense, attack) is not None:
+            echo(f"{name}: done before, skipped")
+            continue
         echo(f"{name}: running ...")
         record = run_cell(grid, protocol, defense, attack, inline=inline)
+        path = grid.out_dir / "cells" / cell_id(protocol, defense, attack) / "cell.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(record, indent=2) + "\n")
         echo(f"{name}: {_summary(record)}")
-        records.append(record)
+    records = [r for r in (_finished(grid, *c, failed_too=True) for c in grid.cells()) if r is not None]
     write_outputs(grid, records)
     return records
+
+
+def _finished(grid: Grid, protocol: Entry, defense: Entry, attack: Entry, failed_too: bool = False) -> dict | None:
+    """The cell's stored record if it was made with the cell's current arguments (else None)."""
+    path = grid.out_dir / "cells" / cell_id(protocol, defense, attack) / "cell.json"
+    if not path.is_file():
+        return None
+    record = json.loads(path.read_text())
+    if record.get("fingerprint") != _fingerprint(cell_commands(grid, protocol, defense, attack)):
+        return None
+    return record if failed_too or record.get("status") in ("ok", "n/a") else None
 
 
 def _summary(record: dict) -> str:
@@ -367,7 +390,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="lti matrix", description=__doc__.split("\n\n")[0])
     parser.add_argument("--grid", required=True, help="grid YAML (see configs/matrix/)")
     parser.add_argument("--out_dir", help="where cells, tables and plots go (default: the grid's out_dir)")
-    parser.add_argument("--only", nargs="+", metavar="ATTACK", help="run only these attacks' cells")
+    for axis in ("attack", "protocol", "defense"):
+        parser.add_argument(f"--{axis}s", nargs="+", metavar=axis.upper(), help=f"run only these {axis}s' cells")
     parser.add_argument("--inline", action="store_true", help="run cells in this process (faster, less isolated)")
     parser.add_argument("--dry_run", action="store_true", help="print each cell's lti commands and stop")
     args = parser.parse_args(argv)
@@ -378,7 +402,8 @@ def main(argv: list[str] | None = None) -> None:
                 for command in cell_commands(grid, protocol, defense, attack):
                     print("lti " + " ".join(command))
             return
-        records = run_grid(grid, inline=args.inline, only=args.only)
+        only = {"attack": args.attacks, "protocol": args.protocols, "defense": args.defenses}
+        records = run_grid(grid, inline=args.inline, only=only)
     except (ValueError, FileNotFoundError) as error:
         print(f"lti matrix: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None

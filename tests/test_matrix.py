@@ -69,7 +69,7 @@ def test_grid_runs_writes_tables_and_plots_and_resumes(grid_file, tmp_path):
     # ... unless a cell's arguments change: only the changed defense's cell runs again.
     grid.defenses[0].overrides = {"data.hash_bins": 9}
     lines.clear()
-    run_grid(grid, inline=True, echo=lines.append, only=["dager"])
+    run_grid(grid, inline=True, echo=lines.append, only={"attack": ["dager"]})
     assert lines == ["[1/2] fedsgd x none x dager: running ...", lines[1], "[2/2] fedsgd x gauss x dager: done before, skipped"]
     assert lines[1].startswith("[1/2] fedsgd x none x dager: token_acc 100.0%")
 
@@ -77,8 +77,8 @@ def test_grid_runs_writes_tables_and_plots_and_resumes(grid_file, tmp_path):
 def test_failed_cell_is_recorded_and_the_grid_goes_on(grid_file):
     grid = load_grid(grid_file)
     grid.attacks[0].overrides = {"data.seq_len": 99}  # longer than the target's positions
-    records = run_grid(grid, inline=True, only=["lti"], echo=lambda _: None)
-    assert [r["status"] for r in records] == ["failed", "failed"]
+    records = run_grid(grid, inline=True, only={"attack": ["lti"]}, echo=lambda _: None)
+    assert [r["status"] for r in records] == ["failed", "failed"]  # the dager cells were not selected
     assert "exceeds the target model" in records[0]["reason"]
     assert "failed" in (grid.out_dir / "matrix.md").read_text()
 
@@ -124,3 +124,10 @@ def test_every_shipped_grid_loads_and_names_existing_configs(monkeypatch):
         for protocol, defense, attack in grid.cells():
             assert cell_commands(grid, protocol, defense, attack)
         assert json.dumps([c.name for c in grid.attacks])
+
+
+def test_selecting_an_unknown_cell_name_gives_one_line(grid_file, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--grid", str(grid_file), "--protocols", "fedavg"])
+    assert exit_info.value.code == 2
+    assert "unknown protocol ['fedavg']; the grid has ['fedsgd']" in capsys.readouterr().err
