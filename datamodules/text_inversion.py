@@ -17,7 +17,7 @@ from lightning.pytorch import LightningDataModule
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from datamodules.federated import Defense, FedSGDClient, NoDefense, ParameterSelection, UpdatePipeline
+from datamodules.federated import ClientProtocol, Defense, FedSGDClient, NoDefense, ParameterSelection, UpdatePipeline
 from datamodules.text import EmbeddedCorpus, MarginalSampler, TextCorpus, load_tokenizer, pack_blocks, pack_lines, tokenize_splits
 from datamodules.text.pseudo import load_counts, token_counts
 from lti.inverters import InversionSpec
@@ -73,7 +73,7 @@ class TextInversionDataModule(LightningDataModule):
         marginal_file: str | None = None,
         seq_len: int = 16,
         packing: Literal["blocks", "lines"] = "blocks",
-        client: FedSGDClient = lazy_instance(FedSGDClient),
+        client: ClientProtocol = lazy_instance(FedSGDClient),
         defense: Defense = lazy_instance(NoDefense),
         observed: ParameterSelection = lazy_instance(ParameterSelection),
         hash_fraction: float = 0.1,
@@ -98,9 +98,14 @@ class TextInversionDataModule(LightningDataModule):
             marginal_file: Token counts (.npy/.pt/.json) to use instead of counting the auxiliary corpus.
             seq_len: Tokens per sequence L.
             packing: `blocks` (running text cut into L-token blocks) or `lines` (one sample per row, padded).
-            client: How a client computes its update (default: FedSGD, train mode, one sequence per update).
-            defense: Client-side defense (default: none).
-            observed: Which parameters the server observes (default: all but embedding/decoder).
+            client: The client protocol, how a client computes its update: `FedSGDClient` (default:
+                train mode, one sequence per update), `FedAvgClient` (local epochs of SGD, sends the
+                weight delta) or `LoRAClient` (peft adapters only). Training and evaluation updates
+                both come from it, so LTI and LTI-P train against the protocol they attack.
+            defense: Client-side defense (default: none); under FedAvg DP-SGD acts on every local
+                step and the other defenses on the delta sent.
+            observed: Which parameters the server observes (default: all but embedding/decoder;
+                `preset: layer0_ffn_in` etc. for partial observation; LoRA keeps only adapters).
             hash_fraction: Hashed features k as a fraction of the observed dimension (paper: 0.1).
             hash_bins: Exact k; overrides `hash_fraction`.
             hash_seed: Seed of the mmh3 feature hash.
@@ -140,6 +145,7 @@ class TextInversionDataModule(LightningDataModule):
             self.target, self.client, defense, observed,
             hash_fraction=hash_fraction, hash_bins=hash_bins, hash_seed=hash_seed, hash_signed=hash_signed,
         )
+        self.target = self.pipeline.target  # the protocol's view of the global model (LoRA: with adapters)
         self.batch_size, self.train_samples, self.eval_samples = batch_size, train_samples, eval_samples
         self.pseudo_batches_per_epoch, self.keep_eval_updates = pseudo_batches_per_epoch, keep_eval_updates
         self.num_workers, self.seed = num_workers, seed
@@ -255,9 +261,9 @@ class TextInversionDataModule(LightningDataModule):
 
     def describe(self) -> dict:
         """JSON-safe summary of the threat model, saved with checkpoints and results."""
-        return {
+        setting = {
             "target": type(self.target).__name__,
-            "client": repr(self.client),
+            "client": self.client.describe(),
             "defense": self.pipeline.defense.describe(),
             "observed_parameters": len(self.pipeline.names),
             "observed_dim": self.pipeline.observed_dim,
@@ -266,3 +272,8 @@ class TextInversionDataModule(LightningDataModule):
             "seq_len": self.seq_len,
             "sequences_per_update": self.sequences_per_update,
         }
+        # DP-SGD reports its (epsilon, delta) for one client's local steps under this protocol.
+        privacy = self.pipeline.defense.privacy(*self.client.privacy_steps())
+        if privacy is not None:
+            setting["privacy"] = privacy
+        return setting

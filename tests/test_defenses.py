@@ -76,3 +76,32 @@ def test_compose_applies_in_order_and_requires_dpsgd_first():
     assert ((out != 0).sum(1) == 10).all() and set(out.unique().tolist()) <= {-1.0, 0.0, 1.0}
     with pytest.raises(ValueError, match="first"):
         Compose([Sign(), DPSGD()])
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"target_delta": 0.0}, r"DP-SGD target_delta=0.0 must be in \(0, 1\)"),
+    ({"accountant": "moments"}, "DP-SGD accountant 'moments' is not allowed; use one of rdp, prv, gdp"),
+])
+def test_dpsgd_rejects_bad_accounting_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        DPSGD(**kwargs)
+
+
+@pytest.mark.parametrize("defense", [NoDefense(), Sign(), TopKPruning(0.5), GaussianNoise(0.1)])
+def test_multi_step_hooks_average_each_step_and_defend_the_sent_delta(defense):
+    """FedAvg convention: only DP-SGD acts per local step; the others transform the delta sent."""
+    per_example = torch.randn(3, 4, 50)
+    assert not defense.acts_per_step
+    torch.testing.assert_close(defense.local_step(per_example), per_example.mean(1))
+    delta = torch.randn(3, 50)
+    torch.testing.assert_close(defense.on_delta(delta, torch.Generator().manual_seed(0)),
+                               defense.transform(delta, torch.Generator().manual_seed(0)))
+
+
+def test_dpsgd_acts_per_step_and_leaves_the_delta_alone():
+    dp = DPSGD(clip_norm=1.0, noise_multiplier=0.0)
+    per_example = torch.randn(2, 3, 40) * 10
+    assert dp.acts_per_step
+    torch.testing.assert_close(dp.local_step(per_example), dp(per_example))
+    delta = torch.randn(2, 40)
+    assert torch.equal(dp.on_delta(delta), delta)

@@ -14,19 +14,32 @@ Implementations that must agree (tests compare them):
 
 All return a flat (N, D) tensor: sequence n's gradient of its own mean loss, observed parameters
 concatenated in the given order.
+
+Multi-step clients (FedAvg) need gradients of G clients, each at its *own* local weights:
+`group_gradients` (group means; reference `group_gradients_loop`, generic fast path
+`group_gradients_vmap`, Transformer3 engine with per-group weights) and
+`grouped_per_example_gradients` (per-sequence, for DP-SGD clipping at every local step).
+
+The client protocols themselves (`ClientProtocol`, registry `CLIENT_PROTOCOLS`) start here with
+`FedSGDClient`; FedAvg and LoRA live in `datamodules.federated.protocols`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Literal
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from typing import ClassVar, Literal
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
-from datamodules.federated.transformer3_grads import transformer3_per_example_gradients
+from datamodules.federated.defenses import Defense, NoDefense
+from datamodules.federated.observed import ParameterSelection
+from datamodules.federated.transformer3_grads import engine_supports, transformer3_per_example_gradients
 from lti.targets.base import TargetLM, next_token_loss
+from lti.registry import Registry
 from lti.targets.transformer3 import Transformer3
 
 
@@ -63,8 +76,12 @@ def per_example_gradients_loop(
 def per_example_gradients(
     target: TargetLM, names: Sequence[str], input_ids: Tensor, attention_mask: Tensor | None = None
 ) -> Tensor:
-    """Fast path (see module docstring): the Transformer3 engine for Transformer3, else vmap."""
-    if isinstance(target, Transformer3):
+    """Fast path (see module docstring): the Transformer3 engine for Transformer3, else vmap.
+
+    A Transformer3 whose layers were changed (e.g. LoRA adapters injected by peft) is not what the
+    engine re-implements, so it takes the generic path.
+    """
+    if isinstance(target, Transformer3) and engine_supports(target):
         return transformer3_per_example_gradients(target, names, input_ids, attention_mask)
     return per_example_gradients_vmap(target, names, input_ids, attention_mask)
 
@@ -105,12 +122,244 @@ def per_example_gradients_vmap(
     )
 
 
-class FedSGDClient:
+def _group_params(
+    target: TargetLM, names: Sequence[str], groups: int, weights: Tensor | None
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """(every parameter and buffer detached, one leaf copy per group of every observed parameter).
+
+    Without `weights` the copies are stride-0 expansions of the global values (no memory); with
+    `weights` (G, D) group g's copy holds row g, laid out as the concatenation of `names`.
+    """
+    detached = {name: p.detach() for name, p in target.named_parameters()}
+    detached.update(dict(target.named_buffers()))
+    copies, start = {}, 0
+    for name in names:
+        shape = detached[name].shape
+        if weights is None:
+            copy = detached[name].expand(groups, *shape)
+        else:
+            size = detached[name].numel()
+            copy = weights[:, start : start + size].reshape(groups, *shape)
+            start += size
+        copies[name] = copy.detach().requires_grad_(True)
+    if weights is not None and start != weights.shape[1]:
+        raise ValueError(f"weights have {weights.shape[1]} columns, the parameters {len(names)} names need {start}")
+    return detached, copies
+
+
+def group_gradients_loop(
+    target: TargetLM,
+    names: Sequence[str],
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    weights: Tensor | None = None,
+) -> Tensor:
+    """Reference for `group_gradients`: one forward/backward per sequence. Returns (G, D)."""
+    groups, size, _ = input_ids.shape
+    rows = []
+    for g in range(groups):
+        detached, copies = _group_params(target, names, 1, None if weights is None else weights[g : g + 1])
+        params = {**detached, **{name: c[0] for name, c in copies.items()}}
+        total = 0.0
+        for s in range(size):
+            mask = None if attention_mask is None else attention_mask[g, s : s + 1]
+            logits = functional_call(target, params, (input_ids[g, s : s + 1], mask))
+            total = total + next_token_loss(logits, input_ids[g, s : s + 1], mask).sum()
+        grads = torch.autograd.grad(total / size, list(copies.values()), allow_unused=True)
+        rows.append(torch.cat([(torch.zeros_like(c) if d is None else d).reshape(-1) for d, c in zip(grads, copies.values())]))
+    return torch.stack(rows)
+
+
+def _engine_applies(target: TargetLM, names: Sequence[str]) -> bool:
+    """The Transformer3 engine can compute these gradients (stock layers, no head parameter)."""
+    return isinstance(target, Transformer3) and engine_supports(target) and not target.head_parameter_names & set(names)
+
+
+def grouped_per_example_gradients(
+    target: TargetLM,
+    names: Sequence[str],
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    weights: Tensor | None = None,
+) -> Tensor:
+    """(G, g, L) groups -> (G, g, D): every sequence's own gradient at its group's weights.
+
+    `weights` (G, D) as in `group_gradients` (None: the global values, the FedSGD fast path).
+    What DP-SGD needs at every FedAvg step: per-sequence gradients of clients at their local weights.
+    """
+    groups, size, length = input_ids.shape
+    flat_ids = input_ids.reshape(-1, length)
+    flat_mask = None if attention_mask is None else attention_mask.reshape(-1, length)
+    if weights is None:
+        return per_example_gradients(target, names, flat_ids, flat_mask).view(groups, size, -1)
+    if _engine_applies(target, names):
+        return transformer3_per_example_gradients(target, names, flat_ids, flat_mask, weights=weights).view(groups, size, -1)
+    # vmap: one parameter copy per sequence (its group's row, repeated).
+    mask = None if flat_mask is None else flat_mask.unsqueeze(1)
+    rows = weights.repeat_interleave(size, dim=0)
+    return group_gradients_vmap(target, names, flat_ids.unsqueeze(1), mask, rows).view(groups, size, -1)
+
+
+def group_gradients(
+    target: TargetLM,
+    names: Sequence[str],
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    weights: Tensor | None = None,
+) -> Tensor:
+    """Gradients of G independent model copies, each on its own group of sequences. Returns (G, D).
+
+    See `group_gradients_vmap` for the contract. A stock `Transformer3` takes its engine (per-group
+    weights, per-sequence gradients, then the group mean), and so do the global weights (the FedSGD
+    fast path); everything else the group vmap, which never materialises per-sequence gradients.
+    """
+    if weights is None or _engine_applies(target, names):
+        per_seq = grouped_per_example_gradients(target, names, input_ids, attention_mask, weights)
+        return per_seq[:, 0] if per_seq.shape[1] == 1 else per_seq.mean(dim=1)
+    return group_gradients_vmap(target, names, input_ids, attention_mask, weights)
+
+
+def group_gradients_vmap(
+    target: TargetLM,
+    names: Sequence[str],
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    weights: Tensor | None = None,
+) -> Tensor:
+    """Gradients of G independent model copies, each on its own group of sequences. Returns (G, D).
+
+    `input_ids` is (G, g, L). Row i is the gradient of the mean over group i's g sequences of their
+    mean next-token losses, with respect to group i's own values of the parameters `names`
+    (`weights[i]`, flat in the order of `names`; None = the global values). Every other parameter
+    stays at its global value. This is what a FedAvg step needs: G clients, each at its own local
+    weights, each on its own minibatch (g = 1 gives per-sequence gradients, e.g. for DP-SGD
+    clipping). Same vmap scheme as `per_example_gradients_vmap` (batched head with detached
+    weights, vmap over the body), with a group of sequences per copy instead of one.
+    """
+    if target.head_parameter_names & set(names):
+        return group_gradients_loop(target, names, input_ids, attention_mask, weights)
+    groups, size, length = input_ids.shape
+    wrapper = _BodyThenHead(target)
+    detached, copies = _group_params(target, names, groups, weights)
+    detached = {f"target.{name}": t for name, t in detached.items()}
+    own = {f"target.{name}": c for name, c in copies.items()}
+
+    def body_group(own: dict[str, Tensor], ids: Tensor, mask: Tensor | None) -> Tensor:
+        return functional_call(wrapper, {**detached, **own}, (ids, mask, "body"))
+
+    mask_dim = None if attention_mask is None else 0
+    hidden = vmap(body_group, in_dims=(0, 0, mask_dim), randomness="different")(own, input_ids, attention_mask)
+    flat_ids = input_ids.reshape(groups * size, length)
+    flat_mask = None if attention_mask is None else attention_mask.reshape(groups * size, length)
+    logits = functional_call(wrapper, detached, (hidden[:, :, :-1].reshape(groups * size, length - 1, -1), None, "head"))
+    loss = next_token_loss(logits, flat_ids, flat_mask).view(groups, size).mean(dim=1).sum()
+    grads = torch.autograd.grad(loss, list(copies.values()), allow_unused=True)
+    return torch.cat(
+        [(torch.zeros_like(c) if d is None else d).reshape(groups, -1) for d, c in zip(grads, copies.values())], dim=1
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Client protocols: how a client turns its sequences into the update it sends
+# --------------------------------------------------------------------------------------------------
+
+CLIENT_PROTOCOLS: Registry["ClientProtocol"] = Registry("client protocol")
+
+#: Called on raw gradients/deltas before the defense; raises on nan/inf (the pipeline names the parameter).
+FiniteCheck = Callable[[Tensor], None]
+
+
+def _default_check(values: Tensor) -> None:
+    if not torch.isfinite(values.sum()) and not torch.isfinite(values).all():
+        raise FloatingPointError("non-finite client update (nan/inf); check the target model and data")
+
+
+@contextmanager
+def model_mode(target: nn.Module, mode: str):
+    """Run with the model in `train()` (dropout on) or `eval()` mode, restoring its mode afterwards."""
+    was_training = target.training
+    target.train(mode == "train")
+    try:
+        yield
+    finally:
+        target.train(was_training)
+
+
+class ClientProtocol(CLIENT_PROTOCOLS.base(), ABC):
+    """How a client computes what it sends (FedSGD gradient, FedAvg weight delta, LoRA adapters ...).
+
+    The pipeline calls `prepare(target)` once (LoRA injects its adapters there), resolves the observed
+    parameters with `observed_names`, and per batch calls `observe`, which returns the *defended*
+    updates: the protocol decides where the defense acts (FedSGD: on the per-sequence gradients;
+    FedAvg: DP-SGD on every local step, the other defenses on the delta it sends).
+    """
+
+    name: ClassVar[str]
+    mode: str
+    sequences_per_update: int
+
+    @classmethod
+    def create(cls, name: str, **kwargs) -> "ClientProtocol":
+        return CLIENT_PROTOCOLS.create(name, **kwargs)
+
+    def prepare(self, target: TargetLM) -> TargetLM:
+        """The global model as the clients train it (default: unchanged)."""
+        return target
+
+    def observed_names(self, target: nn.Module, selection: ParameterSelection) -> list[str]:
+        """Names of the parameters whose update the server observes."""
+        return selection.resolve(target)
+
+    @abstractmethod
+    def observe(
+        self,
+        target: TargetLM,
+        names: Sequence[str],
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        defense: Defense | None = None,
+        generator: torch.Generator | None = None,
+        check: FiniteCheck | None = None,
+        trainable: Sequence[str] | None = None,
+    ) -> Tensor:
+        """(U, m, L) token ids of U clients -> (U, D) defended updates of the observed parameters.
+
+        `trainable`: parameters the client trains locally (default: the protocol's own choice);
+        only protocols with several local steps care.
+        """
+
+    def privacy_steps(self) -> tuple[int, float]:
+        """(noisy steps, sample rate) of DP-SGD on one client, for the accountant."""
+        return 1, 1.0
+
+    def describe(self) -> dict:
+        """JSON-safe summary (saved with checkpoints and results)."""
+        out = {"name": self.name}
+        for key, value in vars(self).items():
+            if not key.startswith("_"):
+                out[key] = value.describe() if isinstance(value, ClientProtocol) else (list(value) if isinstance(value, tuple) else value)
+        return out
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({args})"
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in ("train", "eval"):
+        raise ValueError(f"client mode {mode!r} is not allowed; use 'train' or 'eval'")
+
+
+class FedSGDClient(ClientProtocol):
     """A FedSGD client: one gradient step's gradient per update, computed the way a real client does.
 
     The model runs in `train()` mode (its dropout active) unless `mode="eval"` is chosen explicitly;
-    most published numbers used eval mode by accident (Wang & Li).
+    most published numbers used eval mode by accident (Wang & Li). The update is the mean over the
+    client's m sequences of each sequence's mean next-token-loss gradient; the defense sees the m
+    per-sequence gradients (DP-SGD clips each).
     """
+
+    name = "fedsgd"
 
     def __init__(
         self,
@@ -124,8 +373,7 @@ class FedSGDClient:
             sequences_per_update: Sequences in one client's minibatch; the update is their mean gradient.
             implementation: `vmap` (fast, batched head) or `loop` (reference, one sequence at a time).
         """
-        if mode not in ("train", "eval"):
-            raise ValueError(f"client mode {mode!r} is not allowed; use 'train' or 'eval'")
+        _check_mode(mode)
         if sequences_per_update < 1:
             raise ValueError(f"sequences_per_update={sequences_per_update} must be >= 1")
         if implementation not in ("vmap", "loop"):
@@ -143,15 +391,26 @@ class FedSGDClient:
             raise ValueError(f"batch has {per_update} sequences per update, client expects {self.sequences_per_update}")
         flat_ids = input_ids.reshape(-1, length)
         flat_mask = None if attention_mask is None else attention_mask.reshape(-1, length)
-        was_training = target.training
-        target.train(self.mode == "train")
-        try:
-            with torch.enable_grad():
-                fn = per_example_gradients if self.implementation == "vmap" else per_example_gradients_loop
-                grads = fn(target, names, flat_ids, flat_mask)
-        finally:
-            target.train(was_training)
+        with model_mode(target, self.mode), torch.enable_grad():
+            fn = per_example_gradients if self.implementation == "vmap" else per_example_gradients_loop
+            grads = fn(target, names, flat_ids, flat_mask)
         return grads.view(updates, per_update, -1)
+
+    def observe(
+        self,
+        target: TargetLM,
+        names: Sequence[str],
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        defense: Defense | None = None,
+        generator: torch.Generator | None = None,
+        check: FiniteCheck | None = None,
+        trainable: Sequence[str] | None = None,
+    ) -> Tensor:
+        per_example = self.per_example_gradients(target, names, input_ids, attention_mask)
+        (check or _default_check)(per_example)
+        with torch.no_grad():
+            return (defense or NoDefense())(per_example, generator)
 
     def __repr__(self) -> str:
         return f"FedSGDClient(mode={self.mode!r}, sequences_per_update={self.sequences_per_update})"

@@ -5,17 +5,29 @@ updates (U, D). Sign and pruning act on the raw update (the mean gradient); Gaus
 N(0, sigma^2) per raw coordinate; DP-SGD clips every sequence's gradient to L2 norm C, sums, adds
 N(0, (sigma C)^2) and divides by m. The server knows the defense but not its noise draws, so training
 the inverter on defended updates is just data augmentation.
+
+Clients with several local steps (FedAvg) use two hooks instead of `__call__`:
+
+* `local_step(per_example)` (U, b, D) -> (U, D): the minibatch gradient the local optimiser uses.
+  The mean for every defense except DP-SGD, which clips every sequence and adds noise at every
+  local step, as DP-SGD local training does (`acts_per_step = True`).
+* `on_delta(delta)` (U, D) -> (U, D): the transform of the weight delta the client sends. Sign,
+  pruning and Gaussian noise act here (`transform`); DP-SGD leaves the delta alone (its noise is
+  already in every step).
+
+For FedSGD (one step, the update is the gradient) `__call__` is used and nothing changes.
 """
 
 from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 from torch import Tensor
 
+from datamodules.federated.accounting import ACCOUNTANTS, dp_epsilon
 from lti.registry import Registry
 
 DEFENSES: Registry["Defense"] = Registry("defense")
@@ -23,6 +35,9 @@ DEFENSES: Registry["Defense"] = Registry("defense")
 
 class Defense(DEFENSES.base(), ABC):
     name: ClassVar[str]
+    #: True if the defense acts on every local step's per-sequence gradients (DP-SGD), False if it
+    #: acts on what the client sends.
+    acts_per_step: ClassVar[bool] = False
 
     @classmethod
     def create(cls, name: str, **kwargs) -> "Defense":
@@ -36,6 +51,18 @@ class Defense(DEFENSES.base(), ABC):
     @abstractmethod
     def transform(self, update: Tensor, generator: torch.Generator | None) -> Tensor:
         """Raw updates (U, D) -> defended updates (U, D)."""
+
+    def local_step(self, per_example: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        """(U, b, D) per-sequence gradients of one local minibatch -> (U, D) gradient the optimiser uses."""
+        return mean_update(per_example)
+
+    def on_delta(self, delta: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        """(U, D) weight deltas after local training -> (U, D) what the clients send."""
+        return self.transform(delta, generator)
+
+    def privacy(self, steps: int, sample_rate: float) -> dict | None:
+        """DP guarantee of one client's `steps` noisy steps at `sample_rate`, or None (no DP)."""
+        return None
 
     def describe(self) -> dict:
         return {"name": self.name, **{k: v for k, v in vars(self).items() if not k.startswith("_")}}
@@ -115,19 +142,34 @@ class DPSGD(Defense):
     """DP-SGD on the client: per-sequence clipping to `clip_norm`, Gaussian noise on the sum."""
 
     name = "dpsgd"
+    acts_per_step = True
 
-    def __init__(self, clip_norm: float = 1.0, noise_multiplier: float = 0.1) -> None:
+    def __init__(
+        self,
+        clip_norm: float = 1.0,
+        noise_multiplier: float = 0.1,
+        target_delta: float = 1e-5,
+        accountant: Literal["rdp", "prv", "gdp"] = "rdp",
+    ) -> None:
         """
         Args:
             clip_norm: C > 0, the per-sequence L2 clipping bound.
             noise_multiplier: sigma >= 0; the noise on the summed gradient is N(0, (sigma C)^2).
+            target_delta: delta of the reported (epsilon, delta)-DP guarantee (record level, one client).
+            accountant: opacus accountant that converts the steps to epsilon: `rdp`, `prv` or `gdp`.
         """
         if not (clip_norm > 0.0 and math.isfinite(clip_norm)):
             raise ValueError(f"DP-SGD clip_norm={clip_norm} must be a finite number > 0")
         if not (noise_multiplier >= 0.0 and math.isfinite(noise_multiplier)):
             raise ValueError(f"DP-SGD noise_multiplier={noise_multiplier} must be a finite number >= 0")
+        if not 0.0 < target_delta < 1.0:
+            raise ValueError(f"DP-SGD target_delta={target_delta} must be in (0, 1)")
+        if accountant not in ACCOUNTANTS:
+            raise ValueError(f"DP-SGD accountant {accountant!r} is not allowed; use one of {', '.join(ACCOUNTANTS)}")
         self.clip_norm = float(clip_norm)
         self.noise_multiplier = float(noise_multiplier)
+        self.target_delta = float(target_delta)
+        self.accountant = accountant
 
     def __call__(self, per_example: Tensor, generator: torch.Generator | None = None) -> Tensor:
         if per_example.dim() != 3:
@@ -140,6 +182,18 @@ class DPSGD(Defense):
 
     def transform(self, update: Tensor, generator: torch.Generator | None) -> Tensor:
         return self(update.unsqueeze(1), generator)
+
+    def local_step(self, per_example: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        return self(per_example, generator)  # clip each sequence, noise on the sum, / b
+
+    def on_delta(self, delta: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        return delta  # every local step was already privatised
+
+    def privacy(self, steps: int, sample_rate: float) -> dict | None:
+        epsilon = dp_epsilon(self.noise_multiplier, sample_rate, steps, self.target_delta, self.accountant)
+        # "inf" (no noise) as a string: strict JSON has no infinity.
+        return {"epsilon": epsilon if math.isfinite(epsilon) else "inf", "delta": self.target_delta, "steps": int(steps), "sample_rate": float(sample_rate),
+                "noise_multiplier": self.noise_multiplier, "accountant": self.accountant}
 
 
 class Compose(Defense):
@@ -166,6 +220,23 @@ class Compose(Defense):
 
     def transform(self, update: Tensor, generator: torch.Generator | None) -> Tensor:
         return self(update.unsqueeze(1), generator)
+
+    @property
+    def acts_per_step(self) -> bool:  # type: ignore[override]
+        return self.defenses[0].acts_per_step
+
+    def local_step(self, per_example: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        # Only the first defense may see per-sequence gradients (DP-SGD); the rest act on the delta.
+        return self.defenses[0].local_step(per_example, generator)
+
+    def on_delta(self, delta: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        delta = self.defenses[0].on_delta(delta, generator)
+        for defense in self.defenses[1:]:
+            delta = defense.transform(delta, generator)
+        return delta
+
+    def privacy(self, steps: int, sample_rate: float) -> dict | None:
+        return self.defenses[0].privacy(steps, sample_rate)
 
     def describe(self) -> dict:
         return {"name": self.name, "defenses": [d.describe() for d in self.defenses]}

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from datamodules.federated.client import FedSGDClient
+from datamodules.federated.client import ClientProtocol, FedSGDClient
 from datamodules.federated.defenses import Defense, NoDefense
 from datamodules.federated.hashing import FeatureHasher, HashSpec
 from datamodules.federated.observed import ParameterSelection
@@ -37,7 +37,7 @@ class UpdatePipeline(nn.Module):
     def __init__(
         self,
         target: TargetLM,
-        client: FedSGDClient | None = None,
+        client: ClientProtocol | None = None,
         defense: Defense | None = None,
         observed: ParameterSelection | None = None,
         hash_fraction: float | None = 0.1,
@@ -46,11 +46,14 @@ class UpdatePipeline(nn.Module):
         hash_signed: bool = False,
     ) -> None:
         super().__init__()
-        self.target = target
         self.client = client or FedSGDClient()
+        # The protocol may change the global model the clients train (LoRA injects adapters, in
+        # place) and which parameters are observed (LoRA: only the adapters).
+        target = self.client.prepare(target)
+        self.target = target
         self.defense = defense or NoDefense()
         self.observed = observed or ParameterSelection()
-        self.names = self.observed.resolve(target)
+        self.names = self.client.observed_names(target, self.observed)
         params = dict(target.named_parameters())
         shapes = tuple((name, tuple(params[name].shape)) for name in self.names)
         dim = sum(math.prod(shape) for _, shape in shapes)
@@ -96,16 +99,20 @@ class UpdatePipeline(nn.Module):
         with torch.inference_mode(False), torch.enable_grad():
             input_ids = input_ids.clone()
             attention_mask = None if attention_mask is None else attention_mask.clone()
-            per_example = self.client.per_example_gradients(self.target, self.names, input_ids, attention_mask)
-            # A sum is ~20x cheaper than an element-wise scan and is non-finite whenever an element
-            # is; only then (or on overflow of the sum) is the slow scan run to name the parameter.
-            if not torch.isfinite(per_example.sum()) and not torch.isfinite(per_example).all():
-                bad = self.names[self._first_nonfinite_parameter(per_example)]
-                raise FloatingPointError(f"non-finite client update (nan/inf) in parameter {bad!r}; check the target model and data")
+            update = self.client.observe(
+                self.target, self.names, input_ids, attention_mask, self.defense, generator, self._check_finite
+            )
             with torch.no_grad():
-                update = self.defense(per_example, generator)
                 features = self.hasher(update)
         return ObservedUpdates(features=features, update=update if keep_update else None)
+
+    def _check_finite(self, values: Tensor) -> None:
+        """Raise on nan/inf in raw client gradients (..., D) before the defense hides them."""
+        # A sum is ~20x cheaper than an element-wise scan and is non-finite whenever an element
+        # is; only then (or on overflow of the sum) is the slow scan run to name the parameter.
+        if not torch.isfinite(values.sum()) and not torch.isfinite(values).all():
+            bad = self.names[self._first_nonfinite_parameter(values)]
+            raise FloatingPointError(f"non-finite client update (nan/inf) in parameter {bad!r}; check the target model and data")
 
     def _first_nonfinite_parameter(self, per_example: Tensor) -> int:
         start = 0

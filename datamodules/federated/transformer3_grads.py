@@ -60,10 +60,17 @@ HEAD_CHUNK_ELEMENTS = 1 << 22
 
 @dataclass
 class _Sink:
-    """Views (N, *param.shape) into the output for one weight and its bias; None = not observed."""
+    """Views (N, *param.shape) into the output for one weight and its bias; None = not observed.
+
+    `weight_value` / `bias_value` (G, *param.shape), if given, are per-group values of the
+    parameters (FedAvg: every client at its own local weights; the N sequences are G consecutive
+    groups); None = the shared global value.
+    """
 
     weight: Tensor | None = None
     bias: Tensor | None = None
+    weight_value: Tensor | None = None
+    bias_value: Tensor | None = None
 
     @property
     def active(self) -> bool:
@@ -85,6 +92,40 @@ def _output_views(target: nn.Module, names: Sequence[str], out: Tensor) -> dict[
 
 
 # --------------------------------------------------------------------------------------------------
+# Per-group parameter values: sequences [i*g, (i+1)*g) use group i's values
+# --------------------------------------------------------------------------------------------------
+
+
+def _grouped(y: Tensor, groups: int) -> Tensor:
+    """(N, L, k) -> (G, g*L, k): the rows of each group contiguous (a view)."""
+    return y.reshape(groups, -1, y.shape[-1])
+
+
+def _add(y: Tensor, b: Tensor) -> Tensor:
+    """y + b for a shared (k,) or per-group (G, k) b."""
+    return y + b if b.dim() == 1 else (_grouped(y, b.shape[0]) + b.unsqueeze(1)).view(y.shape)
+
+
+def _mul(y: Tensor, w: Tensor) -> Tensor:
+    """y * w for a shared (k,) or per-group (G, k) w."""
+    return y * w if w.dim() == 1 else (_grouped(y, w.shape[0]) * w.unsqueeze(1)).view(y.shape)
+
+
+def _matmul_t(x: Tensor, w: Tensor) -> Tensor:
+    """x W^T for a shared (out, in) or per-group (G, out, in) W."""
+    if w.dim() == 2:
+        return F.linear(x, w)
+    return torch.bmm(_grouped(x, w.shape[0]), w.transpose(1, 2)).view(*x.shape[:-1], w.shape[1])
+
+
+def _matmul(g: Tensor, w: Tensor) -> Tensor:
+    """g W for a shared (out, in) or per-group (G, out, in) W (the input gradient of a Linear)."""
+    if w.dim() == 2:
+        return g.matmul(w)
+    return torch.bmm(_grouped(g, w.shape[0]), w).view(*g.shape[:-1], w.shape[2])
+
+
+# --------------------------------------------------------------------------------------------------
 # Autograd functions that write per-sequence weight gradients as a side effect of the backward
 # --------------------------------------------------------------------------------------------------
 
@@ -97,7 +138,10 @@ class _PerSequenceLinear(torch.autograd.Function):
         ctx.sink = sink
         # x is only needed for dW; don't keep it alive otherwise.
         ctx.save_for_backward(x if sink.weight is not None else None, weight)
-        return F.linear(x, weight, bias)
+        if weight.dim() == 2 and (bias is None or bias.dim() == 1):
+            return F.linear(x, weight, bias)  # shared weights (FedSGD): the plain op
+        y = _matmul_t(x, weight)
+        return y if bias is None else _add(y, bias)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -109,7 +153,7 @@ class _PerSequenceLinear(torch.autograd.Function):
             torch.bmm(grad.transpose(1, 2), x, out=sink.weight)
         if sink.bias is not None:
             torch.sum(grad, dim=1, out=sink.bias)
-        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_x = _matmul(grad, weight) if ctx.needs_input_grad[0] else None
         return grad_x, None, None, None
 
 
@@ -120,7 +164,9 @@ class _PerSequenceAffine(torch.autograd.Function):
     def forward(ctx, normed: Tensor, weight: Tensor, bias: Tensor, sink: _Sink) -> Tensor:
         ctx.sink = sink
         ctx.save_for_backward(normed if sink.weight is not None else None, weight)
-        return torch.addcmul(bias, normed, weight)
+        if weight.dim() == 1 and bias.dim() == 1:
+            return torch.addcmul(bias, normed, weight)
+        return _add(_mul(normed, weight), bias)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -130,19 +176,21 @@ class _PerSequenceAffine(torch.autograd.Function):
             torch.sum(grad * normed, dim=1, out=sink.weight)
         if sink.bias is not None:
             torch.sum(grad, dim=1, out=sink.bias)
-        return (grad * weight if ctx.needs_input_grad[0] else None), None, None, None
+        return (_mul(grad, weight) if ctx.needs_input_grad[0] else None), None, None, None
 
 
 def _linear(x: Tensor, module_weight: Tensor, module_bias: Tensor | None, sink: _Sink) -> Tensor:
-    weight = module_weight.detach()
-    bias = None if module_bias is None else module_bias.detach()
+    # Per-group values only exist for observed parameters, whose sink is active.
+    weight = module_weight.detach() if sink.weight_value is None else sink.weight_value
+    bias = None if module_bias is None else (module_bias.detach() if sink.bias_value is None else sink.bias_value)
     if not sink.active:
         return F.linear(x, weight, bias)  # nothing observed here: plain op, autograd gives dx
     return _PerSequenceLinear.apply(x, weight, bias, sink)
 
 
 def _layer_norm(x: Tensor, norm: nn.LayerNorm, sink: _Sink) -> Tensor:
-    weight, bias = norm.weight.detach(), norm.bias.detach()
+    weight = norm.weight.detach() if sink.weight_value is None else sink.weight_value
+    bias = norm.bias.detach() if sink.bias_value is None else sink.bias_value
     if not sink.active:
         return F.layer_norm(x, norm.normalized_shape, weight, bias, norm.eps)
     # Normalise without the affine (autograd differentiates it), then the affine that records dw, db.
@@ -172,6 +220,22 @@ def _check_layer(layer: nn.Module) -> None:
             problems.append("attention with bias_k/bias_v or add_zero_attn")
     if problems:
         raise ValueError(f"transformer3 gradient engine does not support: {', '.join(problems)}")
+
+
+def engine_supports(target: Transformer3) -> bool:
+    """Whether the engine reproduces `target` exactly: stock torch.nn modules only, in the checked layout.
+
+    Anything else inside (e.g. peft's LoRA layers wrapping `linear1`) would be silently skipped by
+    the re-implementation below, so callers fall back to the generic path for it.
+    """
+    if any(not type(m).__module__.startswith("torch.nn") for name, m in target.named_modules() if name):
+        return False
+    try:
+        for layer in target.encoder.layers:
+            _check_layer(layer)
+    except ValueError:
+        return False
+    return target.encoder.norm is None
 
 
 def _encoder_layer(layer: nn.TransformerEncoderLayer, x: Tensor, causal: bool, training: bool, sinks) -> Tensor:
@@ -279,6 +343,7 @@ def transformer3_per_example_gradients(
     input_ids: Tensor,
     attention_mask: Tensor | None = None,
     out: Tensor | None = None,
+    weights: Tensor | None = None,
 ) -> Tensor:
     """Per-sequence gradients (N, D) of each sequence's own mean next-token loss.
 
@@ -286,6 +351,11 @@ def transformer3_per_example_gradients(
     `target.named_parameters()`, head parameters included) are concatenated in the given order.
     Dropout follows `target.training`. `attention_mask` only weights the loss (the model ignores it,
     as `Transformer3.body` does). `out`, if given, is a preallocated (N, D) tensor to fill.
+
+    `weights` (G, D), if given, are per-group values of the observed parameters (flat in the order
+    of `names`): the N sequences form G consecutive groups of N / G, and group i runs with
+    `weights[i]` instead of the global values (FedAvg clients at their local weights). The token
+    embedding and decoder bias (the head) cannot have per-group values.
     """
     if not isinstance(target, Transformer3):
         raise TypeError(f"transformer3 gradient engine needs a Transformer3, got {type(target).__name__}")
@@ -314,6 +384,11 @@ def transformer3_per_example_gradients(
     elif out.shape != (num, dimension):
         raise ValueError(f"out has shape {tuple(out.shape)}, expected {(num, dimension)}")
     views = _output_views(target, names, out)
+    values: dict[str, Tensor] = {}
+    if weights is not None:
+        if weights.dim() != 2 or num % weights.shape[0]:
+            raise ValueError(f"weights of shape {tuple(weights.shape)} do not split {num} sequences into equal groups")
+        values = _output_views(target, names, weights)
     if not names:
         return out
 
@@ -324,6 +399,8 @@ def transformer3_per_example_gradients(
     position_name = name_of[id(target.position_embedding.weight)]
     decoder_weight_name = name_of[id(target.decoder.weight)]  # == token_name: weights are tied
     decoder_bias_name = name_of[id(target.decoder.bias)]
+    if token_name in values or decoder_bias_name in values:
+        raise ValueError("per-group values of the token embedding / decoder are not supported by the transformer3 engine")
     observed_layers = [i for i in range(len(layers)) if any(n.startswith(f"encoder.layers.{i}.") for n in names)]
     if token_name in views or position_name in views:
         first_stage = 0
@@ -337,6 +414,8 @@ def transformer3_per_example_gradients(
     with torch.enable_grad():
         # Embedding: token rows * sqrt(d) + positional rows, then embedding dropout.
         positions = target.position_embedding.weight.detach()[:length]
+        if position_name in values:  # (G, P, d) -> each sequence its group's rows
+            positions = values[position_name][:, :length].repeat_interleave(num // weights.shape[0], dim=0)
         tokens = F.embedding(input_ids, target.token_embedding.weight.detach()) * math.sqrt(target.hidden_size)
         x = tokens + positions
         start = None
@@ -349,7 +428,8 @@ def transformer3_per_example_gradients(
             prefix = f"encoder.layers.{i}."
 
             def sinks(weight: str, bias: str, prefix: str = prefix) -> _Sink:
-                return _Sink(views.get(prefix + weight), views.get(prefix + bias))
+                weight, bias = prefix + weight, prefix + bias
+                return _Sink(views.get(weight), views.get(bias), values.get(weight), values.get(bias))
 
             x = _encoder_layer(layer, x, target.causal, training, sinks)
         hidden = x
