@@ -12,6 +12,18 @@ reconstructions go into `pl_module.samples` (key "dager") when the module keeps 
 results writer puts them in `<stage>_samples.jsonl` and the W&B table beside LTI's.
 
 The attack never reads the true tokens; they are used here for the metrics only.
+
+`SpearCallback` runs SPEAR on one named ReLU layer (`layers.0` of a vision/table FCNN,
+`encoder.layers.0.linear1` of transformer3) of every evaluation batch's defended update and logs
+
+    {stage}/spear/exact_fraction, cosine, rows_recovered, seconds_per_batch
+    {stage}/spear/psnr (image batches in [0, 1]), discrete_acc and continuous_mae (tables)
+
+(`exact_fraction`: updates SPEAR certified exact, by its own sparsity-matching certificate;
+`cosine`: mean over the true layer-input rows of the cosine with the best-matching recovered row;
+`rows_recovered`: fraction of true rows with that cosine above `row_threshold`). The true layer
+inputs, for the metrics only, come from running the global model (eval mode) on the batch's
+`inputs` (images/tables) or `input_ids` (text) with a forward hook on the layer.
 """
 
 from __future__ import annotations
@@ -25,6 +37,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from exact.dager import Dager
 from exact.metrics import ROUGE_KEYS, score_batch
+from exact.spear import ReluLinear, Spear, relu_linear_layer
 
 
 class DagerCallback(Callback):
@@ -148,3 +161,166 @@ class DagerCallback(Callback):
             else:
                 reference = "\n".join(ref for _, ref in scores["pairs"])
                 samples.append({"index": -1 if key is None else key, "reference": reference, **fields})
+
+
+class SpearCallback(Callback):
+    def __init__(
+        self,
+        layer: str,
+        attack: Spear | None = None,
+        max_updates_per_batch: int | None = None,
+        every_n_batches: int = 1,
+        stages: tuple[str, ...] = ("val", "test"),
+        known_batch_size: bool = True,
+        row_threshold: float = 0.999,
+    ) -> None:
+        """
+        Args:
+            layer: Module name of the attacked `nn.Linear` followed by a ReLU, e.g. "layers.0" (FCNN) or
+                "encoder.layers.0.linear1" (transformer3). Found by name, never by parameter position.
+            attack: The configured attack (default: `Spear()`).
+            max_updates_per_batch: Attack at most this many client updates of each batch (None: all).
+            every_n_batches: Attack every n-th evaluation batch only.
+            stages: Evaluation stages to run in (`val`, `test`).
+            known_batch_size: Give SPEAR the number of layer-input rows per update (the client protocol:
+                samples, or sequences x tokens for text); False lets it estimate the rank.
+            row_threshold: A true row counts as recovered when its best cosine exceeds this.
+        """
+        if every_n_batches < 1:
+            raise ValueError(f"every_n_batches={every_n_batches} must be >= 1")
+        if max_updates_per_batch is not None and max_updates_per_batch < 1:
+            raise ValueError(f"max_updates_per_batch={max_updates_per_batch} must be >= 1 or null")
+        unknown = set(stages) - {"val", "test"}
+        if unknown:
+            raise ValueError(f"stages {sorted(unknown)} not allowed; use 'val' and/or 'test'")
+        if not layer:
+            raise ValueError("layer must name a Linear module, e.g. 'layers.0'")
+        self.layer = layer
+        self.attack = attack if attack is not None else Spear()
+        self.max_updates_per_batch = max_updates_per_batch
+        self.every_n_batches = every_n_batches
+        self.stages = tuple(stages)
+        self.known_batch_size = known_batch_size
+        self.row_threshold = row_threshold
+        self._warned: set[str] = set()
+
+    def _warn(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            warnings.warn(f"SpearCallback: {message}", stacklevel=3)
+            self._warned.add(key)
+
+    def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        if not trainer.sanity_checking:
+            self._run(trainer, pl_module, batch, batch_idx, "val")
+
+    def on_test_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                          batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._run(trainer, pl_module, batch, batch_idx, "test")
+
+    # ------------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _layer_inputs(target: torch.nn.Module, layer: ReluLinear, model_input: torch.Tensor) -> torch.Tensor:
+        """True inputs of the layer (rows, n) for one update's samples, by a forward hook (eval mode)."""
+        seen: list[torch.Tensor] = []
+        handle = layer.module.register_forward_hook(lambda module, args, output: seen.append(args[0].detach()))
+        was_training = target.training
+        target.eval()
+        try:
+            with torch.no_grad():
+                target(model_input)
+        finally:
+            handle.remove()
+            target.train(was_training)
+        return seen[0].reshape(-1, layer.module.in_features)
+
+    def _run(self, trainer: Trainer, pl_module: LightningModule, batch: dict, batch_idx: int, stage: str) -> None:
+        if stage not in self.stages or batch_idx % self.every_n_batches:
+            return
+        update = batch.get("update") if isinstance(batch, dict) else None
+        pipeline = getattr(trainer.datamodule, "pipeline", None)
+        if update is None or pipeline is None:
+            self._warn("update", "the evaluation batch has no 'update' (set data.keep_eval_updates: true) or the "
+                                 "datamodule has no pipeline; SPEAR is skipped")
+            return
+        target = pipeline.target
+        try:
+            layer = relu_linear_layer(target, self.layer)
+        except (KeyError, TypeError) as error:
+            self._warn("layer", f"{error}; SPEAR is skipped")
+            return
+        if layer.followed_by_relu is False:
+            self._warn("relu", f"layer {self.layer!r} is not followed by a ReLU; SPEAR's assumptions do not hold")
+        if "inputs" in batch:
+            model_inputs, text = batch["inputs"], False
+        elif "input_ids" in batch:
+            model_inputs, text = batch["input_ids"], True
+            if model_inputs.dim() == 2:  # one sequence per update
+                model_inputs = model_inputs[:, None]
+        else:
+            self._warn("truth", "the batch has neither 'inputs' nor 'input_ids'; SPEAR is skipped")
+            return
+        start = time.perf_counter()
+        updates = model_inputs.shape[0]
+        count = updates if self.max_updates_per_batch is None else min(updates, self.max_updates_per_batch)
+        split = pipeline.split(update[:count])
+        if layer.weight_name not in split:
+            self._warn("observed", f"{layer.weight_name!r} is not among the observed parameters; SPEAR is skipped")
+            return
+        columns = list(getattr(trainer.datamodule, "table_columns", None) or [])
+        data = getattr(trainer.datamodule, "data", None)
+        images = not text and model_inputs.dim() == 5
+        certified = rows = recovered = 0
+        cosine_sum = psnr_sum = 0.0
+        psnr_count = discrete_total = discrete_correct = 0
+        mae_sum, mae_count = 0.0, 0
+        for u in range(count):
+            truth = self._layer_inputs(target, layer, model_inputs[u]).double().cpu()
+            bias_grad = split[layer.bias_name][u] if layer.bias_name in split else None
+            result = self.attack.attack(
+                split[layer.weight_name][u], bias_grad, batch_size=truth.shape[0] if self.known_batch_size else None,
+                weight=layer.module.weight, bias=layer.module.bias,
+            )
+            certified += int(result.exact)
+            rows += truth.shape[0]
+            recovered_rows = result.inputs.double().cpu()
+            if recovered_rows.shape[0] == 0:
+                continue
+            cos = torch.nn.functional.normalize(truth, dim=1) @ torch.nn.functional.normalize(recovered_rows, dim=1).T
+            best, match = cos.max(dim=1)
+            cosine_sum += float(best.sum())
+            recovered += int((best > self.row_threshold).sum())
+            matched = recovered_rows[match]
+            flat = model_inputs[u].reshape(truth.shape[0], -1).double().cpu() if not text else None
+            first_layer = flat is not None and flat.shape == truth.shape and torch.allclose(flat, truth)
+            if images and first_layer and float(flat.min()) >= 0.0 and float(flat.max()) <= 1.0:
+                mse = ((matched - truth) ** 2).mean(dim=1).clamp_min(1e-30)
+                psnr_sum += float((10 * torch.log10(1.0 / mse)).sum())
+                psnr_count += truth.shape[0]
+            if columns and first_layer:
+                for column in columns:
+                    kind, where = (column.kind, column.slice) if hasattr(column, "kind") else (column[1], column[2])
+                    if kind == "discrete":
+                        discrete_correct += int((matched[:, where].argmax(1) == truth[:, where].argmax(1)).sum())
+                        discrete_total += truth.shape[0]
+                if data is not None and hasattr(data, "destandardize"):
+                    raw_true, raw_pred = data.destandardize(truth), data.destandardize(matched)
+                    for column in columns:
+                        kind, where = (column.kind, column.slice) if hasattr(column, "kind") else (column[1], column[2])
+                        if kind == "continuous":
+                            mae_sum += float((raw_pred[:, where] - raw_true[:, where]).abs().sum())
+                            mae_count += truth.shape[0]
+        seconds = time.perf_counter() - start
+        prefix = f"{stage}/spear"
+        common = dict(on_step=False, on_epoch=True, sync_dist=True)
+        pl_module.log(f"{prefix}/exact_fraction", certified / max(1, count), batch_size=max(1, count), **common)
+        pl_module.log(f"{prefix}/cosine", cosine_sum / max(1, rows), batch_size=max(1, rows), **common)
+        pl_module.log(f"{prefix}/rows_recovered", recovered / max(1, rows), batch_size=max(1, rows), **common)
+        pl_module.log(f"{prefix}/seconds_per_batch", seconds, batch_size=1, **common)
+        if psnr_count:
+            pl_module.log(f"{prefix}/psnr", psnr_sum / psnr_count, batch_size=psnr_count, **common)
+        if discrete_total:
+            pl_module.log(f"{prefix}/discrete_acc", discrete_correct / discrete_total, batch_size=discrete_total, **common)
+        if mae_count:
+            pl_module.log(f"{prefix}/continuous_mae", mae_sum / mae_count, batch_size=mae_count, **common)
