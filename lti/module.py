@@ -22,7 +22,66 @@ from lti.metrics import ROUGE_TYPES, RougeScores, TokenAccuracy, rouge_f, token_
 STAGES = ("train", "val", "test")
 
 
-class InversionModule(LightningModule):
+class LearnedInversionModule(LightningModule):
+    """What every learned-inversion module shares: Adam with warm-up + cosine/constant schedule,
+    checkpoints that carry the threat model (hash spec + setting), and one step function `_step(batch,
+    stage)` for train/val/test. Subclasses own the inverter, the loss and the metrics."""
+
+    @property
+    def data(self):
+        return self.trainer.datamodule
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.Adam(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        warmup = self.hparams.warmup_steps
+        total = max(1, self.trainer.estimated_stepping_batches)
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            if self.hparams.scheduler == "cosine":
+                progress = min(1.0, (step - warmup) / max(1, total - warmup))
+                return 0.5 * (1.0 + math.cos(math.pi * progress))
+            return 1.0
+
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    # ---------------------------------------------------------------- checkpoints carry the threat model
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["lti"] = {"hash_spec": self.data.pipeline.spec.to_dict(), "setting": self.data.describe()}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        from datamodules.federated.hashing import HashSpec
+
+        saved = checkpoint.get("lti", {}).get("hash_spec")
+        if saved is None:
+            raise ValueError("checkpoint has no hash spec: it was not written by this workbench")
+        difference = self.data.pipeline.spec.difference(HashSpec.from_dict(saved))
+        if difference is not None:
+            raise ValueError(f"checkpoint was trained on other observed updates ({difference}); use the same target, observed parameters and hash settings")
+
+    # ---------------------------------------------------------------- one step for all stages
+    def _step(self, batch: dict, stage: str) -> Tensor:
+        raise NotImplementedError
+
+    def training_step(self, batch: dict, batch_idx: int) -> Tensor:
+        return self._step(batch, "train")
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        self._step(batch, "val")
+
+    def test_step(self, batch: dict, batch_idx: int) -> None:
+        self._step(batch, "test")
+
+    def on_validation_epoch_start(self) -> None:
+        self.samples = []  # per-update records of the current evaluation (for results files)
+
+    def on_test_epoch_start(self) -> None:
+        self.on_validation_epoch_start()
+
+
+class InversionModule(LearnedInversionModule):
     def __init__(
         self,
         inverter: Inverter = lazy_instance(EmbeddingInverter),
@@ -55,44 +114,10 @@ class InversionModule(LightningModule):
         self.samples: list[dict] = []  # per-update records of the current evaluation (for results files)
 
     # ---------------------------------------------------------------- set-up
-    @property
-    def data(self):
-        return self.trainer.datamodule
-
     def configure_model(self) -> None:
         # Called after the DataModule's setup and before a checkpoint is restored.
         if not self.inverter.is_bound:
             self.inverter.bind(self.data.inversion_spec)
-
-    def configure_optimizers(self):
-        optimizer = torch.optim.Adam(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
-        warmup = self.hparams.warmup_steps
-        total = max(1, self.trainer.estimated_stepping_batches)
-
-        def factor(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / warmup
-            if self.hparams.scheduler == "cosine":
-                progress = min(1.0, (step - warmup) / max(1, total - warmup))
-                return 0.5 * (1.0 + math.cos(math.pi * progress))
-            return 1.0
-
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
-
-    # ---------------------------------------------------------------- checkpoints carry the threat model
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["lti"] = {"hash_spec": self.data.pipeline.spec.to_dict(), "setting": self.data.describe()}
-
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        from datamodules.federated.hashing import HashSpec
-
-        saved = checkpoint.get("lti", {}).get("hash_spec")
-        if saved is None:
-            raise ValueError("checkpoint has no hash spec: it was not written by this workbench")
-        difference = self.data.pipeline.spec.difference(HashSpec.from_dict(saved))
-        if difference is not None:
-            raise ValueError(f"checkpoint was trained on other observed updates ({difference}); use the same target, observed parameters and hash settings")
 
     # ---------------------------------------------------------------- one step for all stages
     def forward(self, features: Tensor) -> Tensor:
@@ -128,26 +153,12 @@ class InversionModule(LightningModule):
                 "lti_token_acc": acc, **{f"lti_{k}": v for k, v in score.items()},
             })
 
-    def training_step(self, batch: dict, batch_idx: int) -> Tensor:
-        return self._step(batch, "train")
-
-    def validation_step(self, batch: dict, batch_idx: int) -> None:
-        self._step(batch, "val")
-
-    def test_step(self, batch: dict, batch_idx: int) -> None:
-        self._step(batch, "test")
-
     def predict_step(self, batch: dict, batch_idx: int) -> list[dict]:
         preds = self(batch["features"]).argmax(dim=-1)
         texts = self.data.decode(preds)
         return [{"index": int(i), "reconstruction": t} for i, t in zip(batch["index"], texts)]
 
     # ---------------------------------------------------------------- epoch ends
-    def on_validation_epoch_start(self) -> None:
-        self.samples = []
-
-    on_test_epoch_start = on_validation_epoch_start
-
     def _end_evaluation(self, stage: str) -> None:
         rouge = getattr(self, f"{stage}_rouge").compute()
         self.log_dict({f"{stage}/lti/{name}": value for name, value in rouge.items()})

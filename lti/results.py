@@ -29,11 +29,12 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def format_metrics(metrics: dict[str, float]) -> str:
-    """A readable two-column table; fractions shown as percentages."""
+    """A readable two-column table; fractions shown as percentages, raw values (loss, MSE, PSNR dB) as numbers."""
     width = max((len(k) for k in metrics), default=10)
     lines = [f"{'metric':<{width}}  value", f"{'-' * width}  -------"]
+    raw = ("loss", "seconds", "mse", "psnr")
     for key, value in sorted(metrics.items()):
-        shown = f"{100 * value:6.2f}%" if "loss" not in key and "seconds" not in key else f"{value:.4g}"
+        shown = f"{value:.4g}" if any(r in key.rsplit("/", 1)[-1] for r in raw) else f"{100 * value:6.2f}%"
         lines.append(f"{key:<{width}}  {shown}")
     return "\n".join(lines)
 
@@ -59,7 +60,9 @@ class ResultsWriter(Callback):
                    "global_step": trainer.global_step}
         _write_atomic(root / f"{stage}_metrics.json", json.dumps(payload, indent=2) + "\n")
         _write_atomic(root / f"{stage}_samples.jsonl", "".join(json.dumps(r) + "\n" for r in samples))
-        columns = [c for c in ("index", "reference", "lti", "dager", "lti_token_acc", "lti_rouge1") if any(c in r for r in samples)]
+        wanted = ("index", "reference", "lti", "dager", "lti_token_acc", "lti_rouge1",  # text
+                  "labels", "lti_mse", "lti_psnr", "lti_ssim", "lti_discrete_acc", "spear_psnr", "spear_mse")  # images/tables
+        columns = [c for c in wanted if any(c in r for r in samples)]
         rows = [[r.get(c) for c in columns] for r in samples[: self.table_rows]]
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger) and rows:
@@ -67,7 +70,7 @@ class ResultsWriter(Callback):
         if self.print_table:
             print(f"\n{stage} results ({len(samples)} updates) -> {root / f'{stage}_metrics.json'}")
             print(format_metrics(metrics))
-            for r in samples[: min(3, self.table_rows)]:
+            for r in [r for r in samples if "reference" in r][: min(3, self.table_rows)]:
                 print(f"  reference     : {r.get('reference', '')!r}\n  reconstruction: {r.get('lti', '')!r}")
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -107,7 +107,9 @@ def test_wandb_offline_run_is_written(make_config, tmp_path, monkeypatch):
     assert list(runs[0].glob("files/media/table/val/samples*.table.json"))
 
 
-@pytest.mark.parametrize("config", sorted(str(p.relative_to(REPO)) for p in (REPO / "configs").rglob("*.yaml")))
+# Every `lti` config (grid files under configs/matrix/ are not `lti` configs: tests/test_matrix.py loads them).
+@pytest.mark.parametrize("config", sorted(str(p.relative_to(REPO)) for p in (REPO / "configs").rglob("*.yaml")
+                                          if p.parent.name != "matrix"))
 def test_every_config_parses(config, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--config", str(REPO / config), "--print_config"])
@@ -122,8 +124,26 @@ def test_each_attack_composes_with_each_defense(base, defense, capsys):
     with pytest.raises(SystemExit):
         main(["fit", "--config", str(REPO / base), "--config", str(REPO / "configs" / "defenses" / defense), "--print_config"])
     parsed = yaml.safe_load(capsys.readouterr().out)
-    assert parsed["data"]["training_data"] == ("pseudo" if "lti_p" in base else "auxiliary")
-    assert parsed["data"]["defense"]["class_path"].startswith("datamodules.federated.")
+    data = parsed["data"]["init_args"]  # model and data are chosen by class_path (text inversion by default)
+    assert parsed["data"]["class_path"] == "datamodules.text_inversion.TextInversionDataModule"
+    assert data["training_data"] == ("pseudo" if "lti_p" in base else "auxiliary")
+    assert data["defense"]["class_path"].startswith("datamodules.federated.")
+
+
+@pytest.mark.parametrize("base", ["configs/quickstart.yaml", "configs/lti.yaml", "configs/lti_p.yaml"])
+@pytest.mark.parametrize("protocol", sorted(p.name for p in (REPO / "configs" / "protocols").glob("*.yaml")))
+def test_each_attack_composes_with_each_client_protocol(base, protocol, capsys):
+    overlay = REPO / "configs" / "protocols" / protocol
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(REPO / base), "--config", str(overlay), "--config", str(REPO / "configs" / "defenses" / "dpsgd.yaml"), "--print_config"])
+    data = yaml.safe_load(capsys.readouterr().out)["data"]
+    data = data.get("init_args", data)  # the data module may be given by class_path (subclass mode)
+    expected = yaml.safe_load(overlay.read_text())["data"]["client"]
+    assert data["client"]["class_path"] == expected["class_path"]
+    for key, value in expected["init_args"].items():  # the overlay wins over the base's FedSGD init_args
+        if not isinstance(value, dict):
+            assert data["client"]["init_args"][key] == value, key
+    assert data["defense"]["class_path"] == "datamodules.federated.DPSGD"
 
 
 def test_cosine_schedule_with_warmup_decays_to_zero_at_max_steps(make_config, tmp_path):

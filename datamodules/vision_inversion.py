@@ -1,0 +1,200 @@
+"""The LightningDataModule of image/table inversion: data set -> client updates -> defense -> hashed features.
+
+The image counterpart of `TextInversionDataModule`: it owns everything the server knows (global
+model, client protocol, defense, hasher) in `pipeline` (a `VisionUpdatePipeline`) and computes the
+observed updates on the batch's device in `on_after_batch_transfer`. Training batches are the
+server's auxiliary data (the data set's `train` split); validation and test batches are held-out
+client data (`val` / `test` splits) and additionally carry the defended update (`batch["update"]`)
+for exact attacks such as SPEAR. Batch keys:
+
+    inputs (U, m, C, H, W) or (U, m, F)   labels (U, m)   index (U,)   features (U, k)   update (U, D), eval only
+
+Inputs and labels travel in the batch for the client's loss (the client knows its labels), the
+inverter's loss and the metrics; the attack itself sees `features` (LTI) or `update` (exact attacks).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from jsonargparse import lazy_instance
+from lightning.pytorch import LightningDataModule
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+from datamodules.federated import Defense, NoDefense, ParameterSelection
+from datamodules.vision import VISION_DATASETS, VisionClient, VisionData, VisionUpdatePipeline, load_vision_dataset
+from lti.registry import materialize
+from lti.targets.vision import FCNN, VisionTarget
+
+
+class LabelledUpdates(Dataset):
+    """Items are client updates: m inputs, their m labels, and the update's index."""
+
+    def __init__(self, inputs: Tensor, labels: Tensor) -> None:
+        self.inputs, self.labels = inputs, labels
+
+    def __len__(self) -> int:
+        return self.inputs.shape[0]
+
+    def __getitem__(self, index: int) -> dict[str, Tensor]:
+        return {"inputs": self.inputs[index], "labels": self.labels[index], "index": torch.tensor(index)}
+
+
+class ImageInversionDataModule(LightningDataModule):
+    def __init__(
+        self,
+        dataset: str = "digits",
+        target: VisionTarget = lazy_instance(FCNN, input_shape=(1, 8, 8)),
+        samples_per_update: int = 1,
+        client_mode: Literal["train", "eval"] = "train",
+        defense: Defense = lazy_instance(NoDefense),
+        observed: ParameterSelection = lazy_instance(ParameterSelection),
+        hash_fraction: float = 0.1,
+        hash_bins: int | None = None,
+        hash_seed: int = 0,
+        hash_signed: bool = False,
+        batch_size: int = 64,
+        train_samples: int | None = None,
+        eval_samples: int | None = 1000,
+        keep_eval_updates: bool = True,
+        num_workers: int = 0,
+        seed: int = 0,
+    ) -> None:
+        """
+        Args:
+            dataset: `digits` (8x8, offline), `mnist5k` (28x28, offline), `adult` (table, offline) or
+                `cifar10` (32x32x3, Hugging Face hub).
+            target: The global model; its `input_shape` must match the data set (default: SPEAR's
+                6-layer ReLU FCNN for 8x8 digits). The paper's LTI setting is `LeNet` on CIFAR-10.
+            samples_per_update: Labelled samples m in one client update (FedSGD: mean gradient over m).
+            client_mode: `train` or `eval` mode of the target while the client computes its gradient.
+            defense: Client-side defense (default: none); the same registry as for text.
+            observed: Which parameters the server observes (default: all).
+            hash_fraction: Hashed features k as a fraction of the observed dimension.
+            hash_bins: Exact k; overrides `hash_fraction`.
+            hash_seed: Seed of the mmh3 feature hash.
+            hash_signed: Multiply every coordinate by a hashed +-1 sign before summing.
+            batch_size: Client updates per batch.
+            train_samples: Use at most this many auxiliary (training-split) samples (None: all).
+            eval_samples: Evaluate on the first this many held-out samples (None: all).
+            keep_eval_updates: Put the defended update into evaluation batches (needed by exact attacks).
+            num_workers: DataLoader workers (the update computation itself runs in the main process).
+            seed: Seed of the grouping of auxiliary samples into updates.
+        """
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be >= 1")
+        for name, value in (("eval_samples", eval_samples), ("train_samples", train_samples)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name}={value} must be >= 1 or null")
+        VISION_DATASETS.get(dataset)  # an unknown name fails here, listing the allowed ones
+        target, defense, observed = map(materialize, (target, defense, observed))
+        self.dataset_name = dataset
+        self.target = target
+        self.client = VisionClient(samples_per_update, mode=client_mode)
+        self.pipeline = VisionUpdatePipeline(
+            target, self.client, defense, observed,
+            hash_fraction=hash_fraction, hash_bins=hash_bins, hash_seed=hash_seed, hash_signed=hash_signed,
+        )
+        self.batch_size, self.train_samples, self.eval_samples = batch_size, train_samples, eval_samples
+        self.keep_eval_updates, self.num_workers, self.seed = keep_eval_updates, num_workers, seed
+        self.data: VisionData | None = None
+        self._splits: dict[str, LabelledUpdates] | None = None
+
+    # ---------------------------------------------------------------- data preparation
+    @property
+    def samples_per_update(self) -> int:
+        return self.client.samples_per_update
+
+    @property
+    def kind(self) -> str:
+        return self.data.kind if self.data is not None else "image"
+
+    @property
+    def table_columns(self) -> list[tuple[str, str, slice]]:
+        """Tables: [(column name, 'continuous' | 'discrete', slice of the row)]; empty for images."""
+        return self.data.column_spec if self.data is not None else []
+
+    def _as_updates(self, inputs: Tensor, labels: Tensor, limit: int | None, shuffle: bool) -> LabelledUpdates:
+        if shuffle:  # group random samples into updates, fixed once by the seed
+            order = torch.randperm(labels.shape[0], generator=torch.Generator().manual_seed(self.seed))
+            inputs, labels = inputs[order], labels[order]
+        if limit is not None:
+            inputs, labels = inputs[:limit], labels[:limit]
+        m = self.samples_per_update
+        usable = labels.shape[0] // m * m
+        if usable == 0:
+            raise ValueError(f"only {labels.shape[0]} samples: too few for one update of {m}")
+        return LabelledUpdates(inputs[:usable].view(-1, m, *inputs.shape[1:]), labels[:usable].view(-1, m))
+
+    def prepare_data(self) -> None:
+        if self.dataset_name == "cifar10":
+            load_vision_dataset(self.dataset_name)  # downloads once, on one process
+
+    def setup(self, stage: str | None = None) -> None:
+        if self._splits is not None:
+            return
+        self.data = load_vision_dataset(self.dataset_name)
+        shape = tuple(self.target.input_shape)
+        if self.data.input_shape != shape:
+            raise ValueError(
+                f"data set {self.dataset_name!r} has inputs {list(self.data.input_shape)} but the target expects "
+                f"{list(shape)}; set data.target.init_args.input_shape to {list(self.data.input_shape)}"
+            )
+        if int(self.data.splits["train"].labels.max()) >= self.target.num_classes:
+            raise ValueError(f"data set {self.dataset_name!r} has {self.data.num_classes} classes but the target only {self.target.num_classes}")
+        s = self.data.splits
+        self._splits = {
+            "train": self._as_updates(s["train"].inputs, s["train"].labels, self.train_samples, shuffle=True),
+            "val": self._as_updates(s["val"].inputs, s["val"].labels, self.eval_samples, shuffle=False),
+            "test": self._as_updates(s["test"].inputs, s["test"].labels, self.eval_samples, shuffle=False),
+        }
+        # The attack-free baseline: the mean input of the server's auxiliary data.
+        self.mean_input = s["train"].inputs.mean(dim=0)
+
+    @property
+    def output_shape(self) -> tuple[int, ...]:
+        """What the inverter reconstructs per update: (m, *input_shape)."""
+        return (self.samples_per_update, *self.target.input_shape)
+
+    @property
+    def num_features(self) -> int:
+        return self.pipeline.spec.num_bins
+
+    # ---------------------------------------------------------------- loaders
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self._splits["train"], batch_size=self.batch_size, shuffle=True, drop_last=True, num_workers=self.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self._splits["val"], batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
+
+    def test_dataloader(self) -> DataLoader:
+        return DataLoader(self._splits["test"], batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
+
+    predict_dataloader = test_dataloader
+
+    # ---------------------------------------------------------------- the server's observation
+    def on_after_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
+        inputs = batch["inputs"]
+        self.pipeline.to(inputs.device)
+        training = self.trainer is not None and self.trainer.training
+        observed = self.pipeline(inputs, batch["labels"], keep_update=self.keep_eval_updates and not training)
+        batch["features"] = observed.features
+        if observed.update is not None:
+            batch["update"] = observed.update
+        return batch
+
+    def describe(self) -> dict:
+        """JSON-safe summary of the threat model, saved with checkpoints and results."""
+        return {
+            "dataset": self.dataset_name,
+            "target": type(self.target).__name__,
+            "client": repr(self.client),
+            "defense": self.pipeline.defense.describe(),
+            "observed_parameters": len(self.pipeline.names),
+            "observed_dim": self.pipeline.observed_dim,
+            "hash_bins": self.pipeline.spec.num_bins,
+            "samples_per_update": self.samples_per_update,
+        }
