@@ -3,7 +3,8 @@ import sys
 
 PLAIN_MODULES = [
     "lti.targets", "lti.inverters", "lti.metrics", "lti.registry",
-    "datamodules.federated", "datamodules.text",
+    "datamodules.federated", "datamodules.text", "lti.targets.vision", "datamodules.vision",
+    "exact", "exact.dager", "exact.spear", "lti.matrix",
 ]
 
 
