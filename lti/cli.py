@@ -69,6 +69,11 @@ def user_message(error: BaseException) -> str:
 def main(args: list[str] | None = None) -> None:
     os.environ.setdefault("WANDB_SILENT", "true")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv[:1] == ["matrix"]:  # `lti matrix --grid ...`: a grid of lti runs (lti/matrix.py), not a Trainer entry point
+        from lti.matrix import main as matrix_main
+
+        return matrix_main(argv[1:])
     if os.environ.get("LTI_DEBUG"):
         return run(args)
     try:

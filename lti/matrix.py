@@ -399,6 +399,10 @@ def main(argv: list[str] | None = None) -> None:
         grid = load_grid(args.grid, args.out_dir)
         if args.dry_run:
             for protocol, defense, attack in grid.cells():
+                reason = attack.not_applicable.get(protocol.name) or attack.not_applicable.get(defense.name)
+                if reason:
+                    print(f"# {cell_id(protocol, defense, attack)}: n/a ({reason})")
+                    continue
                 for command in cell_commands(grid, protocol, defense, attack):
                     print("lti " + " ".join(command))
             return

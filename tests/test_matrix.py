@@ -6,6 +6,7 @@ import json
 import pytest
 import yaml
 
+from lti.cli import main as lti_main
 from lti.matrix import cell_commands, load_grid, main, run_grid
 
 from conftest import REPO
@@ -131,3 +132,11 @@ def test_selecting_an_unknown_cell_name_gives_one_line(grid_file, capsys):
         main(["--grid", str(grid_file), "--protocols", "fedavg"])
     assert exit_info.value.code == 2
     assert "unknown protocol ['fedavg']; the grid has ['fedsgd']" in capsys.readouterr().err
+
+
+def test_lti_matrix_subcommand_dry_run_prints_every_cell(grid_file, capsys):
+    lti_main(["matrix", "--grid", str(grid_file), "--dry_run"])
+    commands = capsys.readouterr().out.splitlines()
+    # 2 defenses x (lti: fit + test, dager: test), in grid order; DAGER under noise is n/a
+    assert [c.split()[1] for c in commands] == ["fit", "test", "test", "fit", "test", "fedsgd__gauss__dager:"]
+    assert commands[-1] == "# fedsgd__gauss__dager: n/a (noise breaks exactness)"
