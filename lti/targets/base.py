@@ -69,8 +69,11 @@ def next_token_loss(logits: Tensor, input_ids: Tensor, attention_mask: Tensor | 
     targets = input_ids[:, 1:]
     if logits.shape[1] == input_ids.shape[1]:
         logits = logits[:, :-1]
+    # Half-precision logits are promoted for a stable softmax; float64 (reference tests) stays float64.
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
     flat = nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), reduction="none"
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none"
     ).view(targets.shape)
     if attention_mask is None:
         return flat.mean(dim=1)
