@@ -168,7 +168,11 @@ def _run_lti(args: list[str], inline: bool, log) -> None:
     if inline:
         from lti.cli import run  # the caller's process: no Lightning start-up per cell (tests)
 
-        run(args)  # errors propagate with their message (`main` would print and exit)
+        argv, sys.argv = sys.argv, ["lti"]  # LightningCLI warns when it sees the grid's own arguments
+        try:
+            run(args)  # errors propagate with their message (`main` would print and exit)
+        finally:
+            sys.argv = argv
         return
     env = {**os.environ, "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1"}
     completed = subprocess.run([sys.executable, "-m", "lti.cli", *args], stdout=log, stderr=subprocess.STDOUT, env=env)
