@@ -33,27 +33,16 @@ class ObservedUpdates:
     update: Tensor | None  # (U, D) defended updates: what exact attacks read (kept on evaluation only)
 
 
-class UpdatePipeline(nn.Module):
-    def __init__(
-        self,
-        target: TargetLM,
-        client: ClientProtocol | None = None,
-        defense: Defense | None = None,
-        observed: ParameterSelection | None = None,
-        hash_fraction: float | None = 0.1,
-        hash_bins: int | None = None,
-        hash_seed: int = 0,
-        hash_signed: bool = False,
+class HashedObservation(nn.Module):
+    """What every update pipeline shares (text and vision): the observed parameters `names` of the
+    fixed global model `target`, their hash spec and hasher, and splitting flat updates by parameter."""
+
+    target: nn.Module
+    names: list[str]
+
+    def _bind_hashing(
+        self, target: nn.Module, hash_fraction: float | None, hash_bins: int | None, hash_seed: int, hash_signed: bool
     ) -> None:
-        super().__init__()
-        self.client = client or FedSGDClient()
-        # The protocol may change the global model the clients train (LoRA injects adapters, in
-        # place) and which parameters are observed (LoRA: only the adapters).
-        target = self.client.prepare(target)
-        self.target = target
-        self.defense = defense or NoDefense()
-        self.observed = observed or ParameterSelection()
-        self.names = self.client.observed_names(target, self.observed)
         params = dict(target.named_parameters())
         shapes = tuple((name, tuple(params[name].shape)) for name in self.names)
         dim = sum(math.prod(shape) for _, shape in shapes)
@@ -83,6 +72,30 @@ class UpdatePipeline(nn.Module):
             out[name] = update[:, start : start + size].view(update.shape[0], *shape)
             start += size
         return out
+
+
+class UpdatePipeline(HashedObservation):
+    def __init__(
+        self,
+        target: TargetLM,
+        client: ClientProtocol | None = None,
+        defense: Defense | None = None,
+        observed: ParameterSelection | None = None,
+        hash_fraction: float | None = 0.1,
+        hash_bins: int | None = None,
+        hash_seed: int = 0,
+        hash_signed: bool = False,
+    ) -> None:
+        super().__init__()
+        self.client = client or FedSGDClient()
+        # The protocol may change the global model the clients train (LoRA injects adapters, in
+        # place) and which parameters are observed (LoRA: only the adapters).
+        target = self.client.prepare(target)
+        self.target = target
+        self.defense = defense or NoDefense()
+        self.observed = observed or ParameterSelection()
+        self.names = self.client.observed_names(target, self.observed)
+        self._bind_hashing(target, hash_fraction, hash_bins, hash_seed, hash_signed)
 
     def forward(
         self,

@@ -11,7 +11,6 @@ with the same interface as the text `UpdatePipeline` (`.target`, `.spec`, `.name
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Literal
 
@@ -20,9 +19,8 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 from datamodules.federated.defenses import Defense, NoDefense
-from datamodules.federated.hashing import FeatureHasher, HashSpec
 from datamodules.federated.observed import ParameterSelection
-from datamodules.federated.pipeline import ObservedUpdates, target_fingerprint
+from datamodules.federated.pipeline import HashedObservation, ObservedUpdates
 from lti.targets.vision import VisionTarget
 
 
@@ -107,7 +105,7 @@ class VisionClient:
         return f"VisionClient(samples_per_update={self.samples_per_update}, mode={self.mode!r})"
 
 
-class VisionUpdatePipeline(nn.Module):
+class VisionUpdatePipeline(HashedObservation):
     """(U, m, *input_shape) inputs + (U, m) labels -> defended updates -> hashed features (`ObservedUpdates`).
 
     The same interface as the text `UpdatePipeline` (`.target`, `.names`, `.spec`, `.hasher`,
@@ -132,35 +130,7 @@ class VisionUpdatePipeline(nn.Module):
         self.defense = defense or NoDefense()
         self.observed = observed or ParameterSelection()
         self.names = self.observed.resolve(target)
-        params = dict(target.named_parameters())
-        shapes = tuple((name, tuple(params[name].shape)) for name in self.names)
-        dim = sum(math.prod(shape) for _, shape in shapes)
-        if hash_bins is None:
-            if hash_fraction is None or not 0.0 < hash_fraction <= 1.0:
-                raise ValueError(f"hash_fraction={hash_fraction} must be in (0, 1] (or give hash_bins)")
-            hash_bins = max(1, round(hash_fraction * dim))
-        if hash_bins < 1:
-            raise ValueError(f"hash_bins={hash_bins} must be >= 1")
-        for p in target.parameters():
-            p.requires_grad_(False)  # the global model is fixed; only copies get gradients
-        self.spec = HashSpec(
-            num_bins=int(hash_bins), seed=int(hash_seed), signed=bool(hash_signed), parameters=shapes,
-            target_fingerprint=target_fingerprint(target),
-        )
-        self.hasher = FeatureHasher(self.spec)
-
-    @property
-    def observed_dim(self) -> int:
-        return self.spec.input_dim
-
-    def split(self, update: Tensor) -> dict[str, Tensor]:
-        """(U, D) flat updates -> {parameter name: (U, *shape)}, for attacks that need the layers (SPEAR)."""
-        out, start = {}, 0
-        for name, shape in self.spec.parameters:
-            size = math.prod(shape)
-            out[name] = update[:, start : start + size].view(update.shape[0], *shape)
-            start += size
-        return out
+        self._bind_hashing(target, hash_fraction, hash_bins, hash_seed, hash_signed)
 
     def forward(
         self,
