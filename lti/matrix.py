@@ -326,15 +326,19 @@ def write_plots(grid: Grid, records: list[dict]) -> list[Path]:
     ok = [r for r in records if r["status"] == "ok"]
     attacks = [a.name for a in grid.attacks if any(r["attack"] == a.name for r in ok)]
     protocols = [p.name for p in grid.protocols if any(r["protocol"] == p.name for r in ok)]
-    defenses = [d.name for d in grid.defenses]
+    defenses = [d.name for d in grid.defenses if any(r["defense"] == d.name for r in ok)]
     paths = []
     if not ok:
         return paths
+    columns = min(4, len(protocols))  # one panel per protocol, wrapped into rows of four
+    rows = -(-len(protocols) // columns)
     for metric in ("rouge1", "token_acc"):
-        fig, axes = plt.subplots(1, len(protocols), figsize=(max(4.0, 1.2 * len(defenses)) * len(protocols), 3.6),
+        fig, axes = plt.subplots(rows, columns, figsize=(max(3.2, 0.9 * len(defenses) + 1.5) * columns, 3.4 * rows),
                                  squeeze=False, sharey=True)
         width = 0.8 / max(1, len(attacks))
-        for ax, protocol in zip(axes[0], protocols):
+        for ax in axes.flat[len(protocols):]:
+            ax.set_visible(False)
+        for ax, protocol in zip(axes.flat, protocols):
             for i, attack in enumerate(attacks):
                 values = []
                 for d in defenses:
@@ -344,8 +348,9 @@ def write_plots(grid: Grid, records: list[dict]) -> list[Path]:
             ax.set_xticks([x + 0.4 - width / 2 for x in range(len(defenses))], defenses, rotation=30, ha="right")
             ax.set_title(protocol)
             ax.set_ylim(0, 100)
-        axes[0][0].set_ylabel(f"{metric} (%)")
-        axes[0][-1].legend(fontsize=8)
+        for row in axes:
+            row[0].set_ylabel(f"{metric} (%)")
+        axes.flat[0].legend(fontsize=8)
         fig.tight_layout()
         path = grid.out_dir / f"{metric}_by_defense.png"
         fig.savefig(path, dpi=110)
