@@ -40,7 +40,60 @@ from exact.metrics import ROUGE_KEYS, score_batch
 from exact.spear import ReluLinear, Spear, relu_linear_layer
 
 
-class DagerCallback(Callback):
+class ExactAttackCallback(Callback):
+    """What every exact-attack callback shares: argument checks, the evaluation hooks, the stage and
+    batch filter, one warning per problem, and reading the defended update and the global model."""
+
+    attack_name = "exact attack"
+
+    def __init__(self, max_updates_per_batch: int | None, every_n_batches: int, stages: tuple[str, ...]) -> None:
+        if every_n_batches < 1:
+            raise ValueError(f"every_n_batches={every_n_batches} must be >= 1")
+        if max_updates_per_batch is not None and max_updates_per_batch < 1:
+            raise ValueError(f"max_updates_per_batch={max_updates_per_batch} must be >= 1 or null")
+        unknown = set(stages) - {"val", "test"}
+        if unknown:
+            raise ValueError(f"stages {sorted(unknown)} not allowed; use 'val' and/or 'test'")
+        self.max_updates_per_batch = max_updates_per_batch
+        self.every_n_batches = every_n_batches
+        self.stages = tuple(stages)
+        self._warned: set[str] = set()
+
+    def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        if not trainer.sanity_checking:
+            self._dispatch(trainer, pl_module, batch, batch_idx, "val")
+
+    def on_test_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                          batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._dispatch(trainer, pl_module, batch, batch_idx, "test")
+
+    def _warn(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            warnings.warn(f"{type(self).__name__}: {message}", stacklevel=3)
+            self._warned.add(key)
+
+    def _dispatch(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, stage: str) -> None:
+        if stage not in self.stages or batch_idx % self.every_n_batches:
+            return
+        update = batch.get("update") if isinstance(batch, dict) else None
+        pipeline = getattr(trainer.datamodule, "pipeline", None)
+        if update is None or pipeline is None:
+            self._warn("update", "the evaluation batch has no 'update' (set data.keep_eval_updates: true) or the "
+                                 f"datamodule has no pipeline; {self.attack_name} is skipped")
+            return
+        self._run(trainer, pl_module, batch, update, pipeline, stage)
+
+    def _count(self, updates: int) -> int:
+        return updates if self.max_updates_per_batch is None else min(updates, self.max_updates_per_batch)
+
+    def _run(self, trainer: Trainer, pl_module: LightningModule, batch: dict, update: torch.Tensor, pipeline: Any,
+             stage: str) -> None:
+        raise NotImplementedError
+
+
+class DagerCallback(ExactAttackCallback):
+    attack_name = "DAGER"
     def __init__(
         self,
         attack: Dager | None = None,
@@ -57,47 +110,13 @@ class DagerCallback(Callback):
             stages: Evaluation stages to run in (`val`, `test`).
             log_samples: Add reconstructions to `pl_module.samples` (key "dager").
         """
-        if every_n_batches < 1:
-            raise ValueError(f"every_n_batches={every_n_batches} must be >= 1")
-        if max_updates_per_batch is not None and max_updates_per_batch < 1:
-            raise ValueError(f"max_updates_per_batch={max_updates_per_batch} must be >= 1 or null")
-        unknown = set(stages) - {"val", "test"}
-        if unknown:
-            raise ValueError(f"stages {sorted(unknown)} not allowed; use 'val' and/or 'test'")
+        super().__init__(max_updates_per_batch, every_n_batches, stages)
         self.attack = attack if attack is not None else Dager()
-        self.max_updates_per_batch = max_updates_per_batch
-        self.every_n_batches = every_n_batches
-        self.stages = tuple(stages)
         self.log_samples = log_samples
-        self._warned = False
 
-    # ------------------------------------------------------------------------------------------------------
-
-    def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                                batch_idx: int, dataloader_idx: int = 0) -> None:
-        if not trainer.sanity_checking:
-            self._run(trainer, pl_module, batch, batch_idx, "val")
-
-    def on_test_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                          batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._run(trainer, pl_module, batch, batch_idx, "test")
-
-    # ------------------------------------------------------------------------------------------------------
-
-    def _run(self, trainer: Trainer, pl_module: LightningModule, batch: dict, batch_idx: int, stage: str) -> None:
-        if stage not in self.stages or batch_idx % self.every_n_batches:
-            return
-        update = batch.get("update") if isinstance(batch, dict) else None
+    def _run(self, trainer: Trainer, pl_module: LightningModule, batch: dict, update: torch.Tensor, pipeline: Any,
+             stage: str) -> None:
         datamodule = trainer.datamodule
-        pipeline = getattr(datamodule, "pipeline", None)
-        if update is None or pipeline is None:
-            if not self._warned:
-                warnings.warn(
-                    "DagerCallback: the evaluation batch has no 'update' (set data.keep_eval_updates: true) "
-                    "or the datamodule has no pipeline; DAGER is skipped", stacklevel=2,
-                )
-                self._warned = True
-            return
         start = time.perf_counter()
         ids = batch["input_ids"]
         mask = batch.get("attention_mask")
@@ -105,7 +124,7 @@ class DagerCallback(Callback):
             ids = ids[:, None]
             mask = None if mask is None else mask[:, None]
         updates, per_update, length = ids.shape
-        count = updates if self.max_updates_per_batch is None else min(updates, self.max_updates_per_batch)
+        count = self._count(updates)
         split = pipeline.split(update[:count])
         tokenizer = getattr(datamodule, "tokenizer", None)
         decode = tokenizer.decode if tokenizer is not None else (lambda t: " ".join(map(str, t)))
@@ -163,7 +182,9 @@ class DagerCallback(Callback):
                 samples.append({"index": -1 if key is None else key, "reference": reference, **fields})
 
 
-class SpearCallback(Callback):
+class SpearCallback(ExactAttackCallback):
+    attack_name = "SPEAR"
+
     def __init__(
         self,
         layer: str,
@@ -186,37 +207,13 @@ class SpearCallback(Callback):
                 samples, or sequences x tokens for text); False lets it estimate the rank.
             row_threshold: A true row counts as recovered when its best cosine exceeds this.
         """
-        if every_n_batches < 1:
-            raise ValueError(f"every_n_batches={every_n_batches} must be >= 1")
-        if max_updates_per_batch is not None and max_updates_per_batch < 1:
-            raise ValueError(f"max_updates_per_batch={max_updates_per_batch} must be >= 1 or null")
-        unknown = set(stages) - {"val", "test"}
-        if unknown:
-            raise ValueError(f"stages {sorted(unknown)} not allowed; use 'val' and/or 'test'")
+        super().__init__(max_updates_per_batch, every_n_batches, stages)
         if not layer:
             raise ValueError("layer must name a Linear module, e.g. 'layers.0'")
         self.layer = layer
         self.attack = attack if attack is not None else Spear()
-        self.max_updates_per_batch = max_updates_per_batch
-        self.every_n_batches = every_n_batches
-        self.stages = tuple(stages)
         self.known_batch_size = known_batch_size
         self.row_threshold = row_threshold
-        self._warned: set[str] = set()
-
-    def _warn(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            warnings.warn(f"SpearCallback: {message}", stacklevel=3)
-            self._warned.add(key)
-
-    def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                                batch_idx: int, dataloader_idx: int = 0) -> None:
-        if not trainer.sanity_checking:
-            self._run(trainer, pl_module, batch, batch_idx, "val")
-
-    def on_test_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                          batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._run(trainer, pl_module, batch, batch_idx, "test")
 
     # ------------------------------------------------------------------------------------------------------
 
@@ -235,15 +232,8 @@ class SpearCallback(Callback):
             target.train(was_training)
         return seen[0].reshape(-1, layer.module.in_features)
 
-    def _run(self, trainer: Trainer, pl_module: LightningModule, batch: dict, batch_idx: int, stage: str) -> None:
-        if stage not in self.stages or batch_idx % self.every_n_batches:
-            return
-        update = batch.get("update") if isinstance(batch, dict) else None
-        pipeline = getattr(trainer.datamodule, "pipeline", None)
-        if update is None or pipeline is None:
-            self._warn("update", "the evaluation batch has no 'update' (set data.keep_eval_updates: true) or the "
-                                 "datamodule has no pipeline; SPEAR is skipped")
-            return
+    def _run(self, trainer: Trainer, pl_module: LightningModule, batch: dict, update: torch.Tensor, pipeline: Any,
+             stage: str) -> None:
         target = pipeline.target
         try:
             layer = relu_linear_layer(target, self.layer)
@@ -263,7 +253,7 @@ class SpearCallback(Callback):
             return
         start = time.perf_counter()
         updates = model_inputs.shape[0]
-        count = updates if self.max_updates_per_batch is None else min(updates, self.max_updates_per_batch)
+        count = self._count(updates)
         split = pipeline.split(update[:count])
         if layer.weight_name not in split:
             self._warn("observed", f"{layer.weight_name!r} is not among the observed parameters; SPEAR is skipped")
