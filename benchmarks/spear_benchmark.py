@@ -67,7 +67,7 @@ def text_row(args, attack):
                                weight=layer.module.weight, bias=layer.module.bias)
         best, _ = match(truth, result.inputs)
         records.append({"exact": result.exact, "rows": float((best > 0.999).double().mean()), "seconds": result.diagnostics["seconds"],
-                        "samples": result.diagnostics["samples"], "reason": result.reason})
+                        "samples": result.diagnostics["samples"], "reason": result.reason, "guesses": 0})
     return f"transformer3 `{name}`, 1 x 16 tokens", 16, records
 
 
@@ -86,14 +86,18 @@ def vision_row(args, attack, dataset, batch):
     order = torch.randperm(len(split), generator=gen)[: args.batches * batch].view(args.batches, batch)
     inputs, labels = split.inputs[order], split.labels[order]
     parts = pipeline.split(pipeline(inputs, labels, keep_update=True).update)
+    # The server's auxiliary data (the train split; the attacked updates come from the test split),
+    # flattened: the first layer's inputs. Only with --prior.
+    prior = data.splits["train"].inputs.reshape(len(data.splits["train"]), -1) if args.prior else None
     records = []
     for u in range(args.batches):
         truth = inputs[u].reshape(batch, -1).double()
         result = attack.attack(parts[layer.weight_name][u], parts[layer.bias_name][u], batch_size=batch,
-                               weight=layer.module.weight, bias=layer.module.bias)
+                               weight=layer.module.weight, bias=layer.module.bias, prior=prior)
         best, matched = match(truth, result.inputs)
         record = {"exact": result.exact, "rows": float((best > 0.999).double().mean()),
-                  "seconds": result.diagnostics["seconds"], "samples": result.diagnostics["samples"], "reason": result.reason}
+                  "seconds": result.diagnostics["seconds"], "samples": result.diagnostics["samples"], "reason": result.reason,
+                  "guesses": result.diagnostics.get("prior_guesses", 0)}
         if matched is not None and data.kind == "image":
             mse = ((matched - truth) ** 2).mean(dim=1).clamp_min(1e-30)
             record["psnr"] = float((10 * torch.log10(1.0 / mse)).mean())
@@ -123,6 +127,7 @@ def summarise(label, batch, records):
         "psnr_exact": "-", "discrete_acc": "-", "mae": "-",
         "s_per_batch": f"{statistics.mean(seconds):.2f} (max {max(seconds):.1f})",
         "samples": f"{statistics.mean(r['samples'] for r in records):,.0f}",
+        "prior_guesses": f"{statistics.mean(r['guesses'] for r in records):,.0f}",
     }
     psnr = [r["psnr"] for r in exact if "psnr" in r]
     if psnr:
@@ -144,6 +149,8 @@ def main(argv=None):
     parser.add_argument("--max-seconds", type=float, default=None, help="per-attack wall-clock budget")
     parser.add_argument("--max-samples", type=int, default=4_000_000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prior", action="store_true",
+                        help="guide SPEAR with the train split as the server's auxiliary data (images/tables)")
     parser.add_argument("--out", type=Path, default=None, help="append a markdown table here")
     args = parser.parse_args(argv)
     attack = Spear(max_samples=args.max_samples, max_seconds=args.max_seconds, seed=args.seed)

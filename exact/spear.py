@@ -156,6 +156,30 @@ def relu_linear_layer(model: nn.Module, name: str) -> ReluLinear:
 # The attack
 
 
+@dataclass
+class _SearchState:
+    """What one attack's search has found so far (shared by the sampled and the prior-guided phase)."""
+
+    unit: Tensor
+    b: int
+    need: int
+    zero_tol: float
+    screen_tol: float
+    diag: dict
+    candidates: list = field(default_factory=list)
+    #: Directions seen (sampled and refined), to skip repeats cheaply.
+    known: Tensor | None = None
+    #: Pivotal candidates (see `_pivotal`): usually mixtures of two columns, occasionally a true column
+    #: whose zero set is almost contained in another's. Kept, unrefined, as a bounded fallback.
+    pool: dict = field(default_factory=dict)
+    added: bool = False
+    pool_changed: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.pool:
+            self.pool = {"dirs": self.unit.new_zeros(0, self.b), "zeros": torch.zeros(0, dtype=torch.long)}
+
+
 class Spear:
     """SPEAR with explicit numerics. Call `attack(weight_grad, bias_grad, batch_size, weight, bias)`."""
 
@@ -174,6 +198,9 @@ class Spear:
         line_search: bool = False,
         max_swaps: int = 1024,
         max_pivotal: int = 64,
+        prior_rows: tuple[float, ...] = (1.25, 2.0),
+        prior_rounds: int = 4,
+        max_prior: int = 4096,
         device: str | torch.device = "cpu",
         dtype: str = "float64",
     ) -> None:
@@ -202,6 +229,11 @@ class Spear:
             max_pivotal: "Pivotal" candidates (a zero set that needs one particular row for its rank: usually
                 the intersection of two columns' zero sets plus one row, a mixture of two columns) are
                 only a fallback for the selection, after all others; at most this many, the sparsest.
+            prior_rows: With a prior (see `attack`): each guess names its k most inactive neurons, for k = each of
+                these multiples of b (at least b - 1); their least-squares kernel is a candidate.
+            prior_rounds: Rounds of prior guesses; each round projects the guesses on the complement of the
+                directions found so far (a round that finds nothing ends the prior phase).
+            max_prior: Use at most this many prior inputs (a seeded random subset of larger priors).
             device: Device of the computation.
             dtype: "float64" (default) or "float32".
         """
@@ -213,6 +245,9 @@ class Spear:
             raise ValueError(f"dtype {dtype!r} not allowed; use one of {sorted(_DTYPES)}")
         if rank_tol <= 0:
             raise ValueError(f"rank_tol={rank_tol} must be > 0")
+        if not prior_rows or any(f <= 0 for f in prior_rows) or prior_rounds < 0 or max_prior < 1:
+            raise ValueError(f"prior_rows={prior_rows} must be positive multiples of b, prior_rounds={prior_rounds} "
+                             f">= 0, max_prior={max_prior} >= 1")
         self.tau = float(tau)
         self.max_samples = int(max_samples)
         self.max_seconds = max_seconds
@@ -226,6 +261,9 @@ class Spear:
         self.line_search = bool(line_search)
         self.max_swaps = int(max_swaps)
         self.max_pivotal = int(max_pivotal)
+        self.prior_rows = tuple(float(f) for f in prior_rows)
+        self.prior_rounds = int(prior_rounds)
+        self.max_prior = int(max_prior)
         self.device = torch.device(device)
         self.dtype = _DTYPES[dtype]
 
@@ -242,6 +280,7 @@ class Spear:
         batch_size: int | None = None,
         weight: Tensor | None = None,
         bias: Tensor | None = None,
+        prior: Tensor | None = None,
     ) -> SpearResult:
         """Recover the inputs of a ReLU layer from its weight and bias gradients.
 
@@ -251,6 +290,9 @@ class Spear:
             batch_size: Rows of X (the client protocol, known to the server); None: the numerical rank.
             weight: The layer's weight W (m, n); with `bias` it enables the exactness certificate.
             bias: The layer's bias b (m,).
+            prior: Optional plausible layer inputs (N, n), e.g. auxiliary data the server holds (for a first
+                layer: flattened auxiliary images). With weight and bias, they guide the search (see
+                `_guided`) before random sampling; exactness is still decided by the certificate alone.
         """
         start = time.perf_counter()
         if weight_grad.dim() != 2:
@@ -258,6 +300,8 @@ class Spear:
         m, n = weight_grad.shape
         if bias_grad is not None and bias_grad.shape != (m,):
             raise ValueError(f"bias_grad must be ({m},), got {tuple(bias_grad.shape)}")
+        if prior is not None and (prior.dim() < 1 or prior.numel() != prior.shape[0] * n):
+            raise ValueError(f"prior must hold N inputs of {n} features (N, {n}), got {tuple(prior.shape)}")
         # float32 gradients cast to float64 still carry float32 rounding: judge by the values.
         low_precision = weight_grad.dtype != torch.float64 or bool(
             torch.equal(weight_grad.detach().float().double(), weight_grad.detach()))
@@ -276,11 +320,13 @@ class Spear:
 
         try:
             with torch.no_grad():
-                return self._attack(weight_grad, bias_grad, batch_size, weight, bias, zero_tol, diag, start, finish)
+                return self._attack(weight_grad, bias_grad, batch_size, weight, bias, zero_tol, diag, start, finish,
+                                    prior)
         except (RuntimeError, ValueError) as error:  # e.g. an SVD that does not converge on garbage input
             return finish(weight_grad.new_zeros(0, n, dtype=self.dtype), False, f"{type(error).__name__}: {error}")
 
-    def _attack(self, weight_grad, bias_grad, batch_size, weight, bias, zero_tol, diag, start, finish) -> SpearResult:
+    def _attack(self, weight_grad, bias_grad, batch_size, weight, bias, zero_tol, diag, start, finish,
+                prior=None) -> SpearResult:
         m, n = weight_grad.shape
         dead_tol = self._dead_tol
         g = torch.nan_to_num(weight_grad.detach().to(self.device, self.dtype), nan=0.0, posinf=0.0, neginf=0.0)
@@ -312,7 +358,8 @@ class Spear:
         need = max(math.ceil(self.tau * live_rows), b)
         diag["min_zeros"] = need
 
-        candidates = self._sample(unit, b, need, zero_tol, diag, start, weight, bias, left, right, bias_grad)
+        candidates = self._sample(unit, b, need, zero_tol, diag, start, weight, bias, left, right, bias_grad,
+                                  live, prior)
         return self._finish(candidates, unit, left, right, live, bias_grad, weight, bias, b, n, zero_tol,
                             diag, finish)
 
@@ -320,45 +367,61 @@ class Spear:
     # Sampling
 
     def _sample(self, unit: Tensor, b: int, need: int, zero_tol: float, diag: dict, start: float,
-                weight, bias, left, right, bias_grad) -> list[tuple[Tensor, int, bool]]:
-        """Draw submatrices until the selection is certified or the budget is spent.
+                weight, bias, left, right, bias_grad, live: Tensor, prior: Tensor | None = None
+                ) -> list[tuple[Tensor, int, bool]]:
+        """Find sparse directions until the selection is certified or the budget is spent.
 
-        Returns the distinct candidates as (unit direction q (b,), zero count, pivotal): the non-pivotal ones
-        sparsest first, then at most `max_pivotal` pivotal ones, sparsest first.
+        With `prior` (and the layer's weight and bias), prior-guided directions come first (see
+        `_guided`); then (b-1)-row submatrices are drawn at random as in the paper. Returns the distinct
+        candidates as (unit direction q (b,), zero count, pivotal): the non-pivotal ones sparsest first,
+        then at most `max_pivotal` pivotal ones, sparsest first.
         """
         rows = unit.shape[0]
         generator = torch.Generator(device=self.device).manual_seed(self.seed)
-        candidates: list[tuple[Tensor, int, bool]] = []
-        known: Tensor | None = None
-        # Pivotal candidates (see `_pivotal`): usually mixtures of two columns, occasionally a true column
-        # whose zero set is almost contained in another's. Kept, unrefined, as a bounded fallback.
-        pool: dict[str, Tensor] = {"dirs": unit.new_zeros(0, b), "zeros": torch.zeros(0, dtype=torch.long)}
-
-        # Sampled kernels can be ill-conditioned (b-1 rows that nearly span only b-2 dimensions), so they
-        # may be screened with a looser tolerance; the refined direction is then tested with zero_tol.
-        screen_tol = self.screen_factor * zero_tol
-
-        def zeros_of(directions: Tensor) -> Tensor:
-            return ((unit @ directions.T).abs() <= screen_tol).sum(dim=0).cpu()
-
         if b == 1:  # the kernel of a 0 x 1 matrix: q = [1]
             q = unit.new_ones(1)
             return [(q, int((unit[:, 0].abs() <= zero_tol).sum()), False)]
+        state = _SearchState(unit=unit, b=b, need=need, zero_tol=zero_tol,
+                             # Kernels can be ill-conditioned (b-1 rows that nearly span only b-2 dimensions),
+                             # so they may be screened with a looser tolerance; refined directions use zero_tol.
+                             screen_tol=self.screen_factor * zero_tol, diag=diag)
+        can_certify = weight is not None and bias is not None
+
+        def certified_now(force: bool = False) -> bool:
+            """Re-select when a regular candidate arrived (or `force`); True once the selection certifies."""
+            if not (state.added or force):
+                return False
+            state.added = False
+            state.candidates.sort(key=lambda c: -c[1])
+            if len(state.candidates) + len(state.pool["zeros"]) >= b and self._good_enough(
+                    state.candidates + self._pool_list(state.pool), left, right, bias_grad, weight, bias, b, zero_tol,
+                    diag):
+                diag["stopped"] = "certified" if can_certify else "found b directions"
+                return True
+            return False
+
+        def out_of_time() -> bool:
+            if self.max_seconds is not None and time.perf_counter() - start > self.max_seconds:
+                diag["stopped"] = "max_seconds"
+                return True
+            return False
+
+        done = False
+        if prior is not None and can_certify:
+            done = self._guided(state, prior, live, weight, bias, right, generator, certified_now, out_of_time)
         pre_rows = min(self.prefilter_rows, rows) if self.prefilter_rows > 0 else rows
         # Expected zeros on the pre-filter rows of a true direction: >= tau * pre_rows; accept at a
         # quarter of that so that true directions are hardly ever lost (a lost one is only a lost sample).
         pre_need = max(1, int(0.25 * self.tau * pre_rows)) if pre_rows < rows else need
         drawn = 0
-        pool_changed = False
-        while drawn < self.max_samples:
-            if self.max_seconds is not None and time.perf_counter() - start > self.max_seconds:
-                diag["stopped"] = "max_seconds"
+        while not done and drawn < self.max_samples:
+            if out_of_time():
                 break
             count = min(self.batch_samples, self.max_samples - drawn)
             drawn += count
             diag["iterations"] += 1
             if self.line_search and b >= 3:
-                q, ok = self._line_kernels(unit, b, count, generator, screen_tol)
+                q, ok = self._line_kernels(unit, b, count, generator, state.screen_tol)
             else:
                 index = torch.randint(0, rows, (count, b - 1), generator=generator, device=self.device)
                 sub = unit[index]  # (count, b-1, b)
@@ -369,55 +432,115 @@ class Spear:
             q = q / q.norm(dim=1, keepdim=True).clamp_min(_TINY)
             if pre_rows < rows:
                 probe = torch.randint(0, rows, (pre_rows,), generator=generator, device=self.device)
-                pre_zero = ((unit[probe] @ q.T).abs() <= screen_tol).sum(dim=0)
+                pre_zero = ((unit[probe] @ q.T).abs() <= state.screen_tol).sum(dim=0)
                 ok &= pre_zero >= pre_need
-            hits = ok.nonzero().flatten()
-            if hits.numel() == 0:
-                continue
-            zeros = ((unit @ q[hits].T).abs() <= screen_tol).sum(dim=0)
-            hits = hits[zeros >= need]
-            if hits.numel() and known is not None:  # skip directions found before (cheap, batched)
-                hits = hits[(q[hits] @ known.T).abs().amax(dim=1) < 1 - 1e-6]
-            added = False
-            if hits.numel():
-                pivotal = _pivotal(unit, q[hits], screen_tol)
-                if pivotal.any():
-                    pool_changed |= self._pool_add(pool, q[hits[pivotal]], zeros_of(q[hits[pivotal]]), need, unit, zero_tol)
-                    diag["pivotal_seen"] += int(pivotal.sum())
-                hits = hits[~pivotal]
-            for h in hits.tolist():
-                if known is not None and float((known @ q[h]).abs().max()) >= 1 - 1e-6:
-                    continue  # found earlier in this same iteration
-                refined = self._refine(unit, q[h], zero_tol, screen_tol)
-                if refined is None:
-                    continue
-                direction, zero_count, pivotal = refined
-                if zero_count < need:
-                    continue
-                if pivotal:
-                    pool_changed |= self._pool_add(pool, direction[None], torch.tensor([zero_count]), need, unit, zero_tol)
-                    continue
-                repeat = known is not None and float((known @ direction).abs().max()) >= 1 - 1e-6
-                # Remember both the sampled and the refined direction, so that repeats are skipped early.
-                known = torch.stack([q[h], direction]) if known is None else torch.cat([known, q[h][None], direction[None]])
-                if repeat:
-                    continue
-                candidates.append((direction, zero_count, pivotal))
-                added = True
+            self._absorb(state, q, ok)
             # Re-select when a regular candidate arrived, or every 8th iteration when only the pool changed.
-            if added or (pool_changed and diag["iterations"] % 8 == 0):
-                pool_changed = False
-                candidates.sort(key=lambda c: -c[1])
-                if len(candidates) + len(pool["zeros"]) >= b and self._good_enough(
-                        candidates + self._pool_list(pool), left, right, bias_grad, weight, bias, b, zero_tol, diag):
-                    diag["stopped"] = "certified" if weight is not None and bias is not None else "found b directions"
-                    break
-        else:
+            done = certified_now(force=state.pool_changed and diag["iterations"] % 8 == 0)
+            if state.pool_changed and diag["iterations"] % 8 == 0:
+                state.pool_changed = False
+        if not done:
             diag.setdefault("stopped", "max_samples")
         diag["samples"] = drawn
-        diag["candidates"] = len(candidates)
-        diag["pivotal_kept"] = len(pool["zeros"])
-        return candidates + self._pool_list(pool)
+        diag["candidates"] = len(state.candidates)
+        diag["pivotal_kept"] = len(state.pool["zeros"])
+        return state.candidates + self._pool_list(state.pool)
+
+    def _absorb(self, state: "_SearchState", q: Tensor, ok: Tensor) -> None:
+        """Screen unit kernel directions q (H, b) (rows where `ok`), refine the sparse ones, keep the new ones."""
+        unit, need, zero_tol, screen_tol = state.unit, state.need, state.zero_tol, state.screen_tol
+        hits = ok.nonzero().flatten()
+        if hits.numel() == 0:
+            return
+        zeros = ((unit @ q[hits].T).abs() <= screen_tol).sum(dim=0)
+        hits = hits[zeros >= need]
+        if hits.numel() and state.known is not None:  # skip directions found before (cheap, batched)
+            hits = hits[(q[hits] @ state.known.T).abs().amax(dim=1) < 1 - 1e-6]
+        if hits.numel():
+            pivotal = _pivotal(unit, q[hits], screen_tol)
+            if pivotal.any():
+                piv = q[hits[pivotal]]
+                piv_zeros = ((unit @ piv.T).abs() <= screen_tol).sum(dim=0).cpu()
+                state.pool_changed |= self._pool_add(state.pool, piv, piv_zeros, need, unit, zero_tol)
+                state.diag["pivotal_seen"] += int(pivotal.sum())
+            hits = hits[~pivotal]
+        for h in hits.tolist():
+            known = state.known
+            if known is not None and float((known @ q[h]).abs().max()) >= 1 - 1e-6:
+                continue  # found earlier in this same batch
+            refined = self._refine(unit, q[h], zero_tol, screen_tol)
+            if refined is None:
+                continue
+            direction, zero_count, pivotal = refined
+            if zero_count < need:
+                continue
+            if pivotal:
+                state.pool_changed |= self._pool_add(state.pool, direction[None], torch.tensor([zero_count]), need,
+                                                     unit, zero_tol)
+                continue
+            repeat = known is not None and float((known @ direction).abs().max()) >= 1 - 1e-6
+            # Remember both the sampled and the refined direction, so that repeats are skipped early.
+            state.known = torch.stack([q[h], direction]) if known is None else torch.cat([known, q[h][None], direction[None]])
+            if repeat:
+                continue
+            state.candidates.append((direction, zero_count, pivotal))
+            state.added = True
+
+    def _guided(self, state: "_SearchState", prior: Tensor, live: Tensor, weight: Tensor, bias: Tensor,
+                right: Tensor, generator, certified_now, out_of_time) -> bool:
+        """Prior-guided directions: guesses of a sample's layer input say which neurons it left inactive.
+
+        Sample j's input is x_j = R^T p_j (R: the gradient's right factor, orthonormal rows), so its
+        pre-activations are A p_j + b with A = W R^T, and the neurons with the most negative
+        pre-activation are in column j's zero set. A guess p (a prior input projected on the span of
+        R) close to some p_j therefore names k rows that very likely all lie in that zero set, and
+        their least-squares kernel is q_j: one guess succeeds with a probability that does not shrink
+        like (zero fraction)^(b-1). Each round also deflates: P Q = I (P = Q^-1 holds the p_j as rows),
+        so every p_j of a column not found yet is orthogonal to the directions already found, and the
+        guesses are projected on that complement; with b-1 columns found the last p_j is known up to
+        scale. Guesses only propose candidates: the filters, the selection and the certificate are the
+        same as for sampled ones, so a poor prior costs time, never exactness.
+        Returns True once the selection certifies.
+        """
+        unit, b, diag = state.unit, state.b, state.diag
+        rows = unit.shape[0]
+        x = prior.detach().to(self.device, self.dtype).reshape(prior.shape[0], -1)
+        if x.shape[1] != right.shape[1]:
+            raise ValueError(f"prior inputs have {x.shape[1]} features, the layer has {right.shape[1]}")
+        if x.shape[0] > self.max_prior:
+            x = x[torch.randperm(x.shape[0], generator=generator, device=self.device)[: self.max_prior]]
+        guesses = x @ right.T  # (G, b) coordinates in the inputs' span
+        a = weight.detach().to(self.device, self.dtype)[live] @ right.T  # (rows, b)
+        offset = bias.detach().to(self.device, self.dtype)[live]
+        sizes = sorted({min(rows, max(b - 1, math.ceil(f * b))) for f in self.prior_rows})
+        diag["prior_guesses"] = 0
+        for _ in range(self.prior_rounds):
+            before = len(state.candidates)
+            p = guesses
+            regular = [c[0] for c in state.candidates if not c[2]]
+            if regular:
+                basis = torch.linalg.qr(torch.stack(regular, dim=1)).Q  # (b, found)
+                if basis.shape[1] >= b:
+                    break
+                p = p - (p @ basis) @ basis.T  # unfound p_j are orthogonal to found q's
+            for chunk in p.split(self.batch_samples):
+                margins = chunk @ a.T + offset  # (chunk, rows) pre-activations under each guess
+                for k in sizes:
+                    if out_of_time():
+                        return False
+                    index = margins.topk(k, dim=1, largest=False).indices  # most inactive rows
+                    sub = unit[index]  # (chunk, k, b)
+                    _, vecs = torch.linalg.eigh(sub.transpose(1, 2) @ sub)
+                    q = vecs[:, :, 0]  # least-squares kernel of the k rows
+                    diag["prior_guesses"] += q.shape[0]
+                    self._absorb(state, q, torch.isfinite(q).all(dim=1))
+                    if certified_now(force=state.pool_changed):
+                        return True
+                    state.pool_changed = False
+            diag["prior_rounds"] = diag.get("prior_rounds", 0) + 1
+            if len(state.candidates) == before:
+                break
+        return False
 
     def _line_kernels(self, unit: Tensor, b: int, count: int, generator, screen_tol: float) -> tuple[Tensor, Tensor]:
         """b-2 sampled rows leave a 2-D kernel K; if they lie in column j's zero set, q_j = K c and every
