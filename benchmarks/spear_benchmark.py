@@ -10,7 +10,8 @@ absolute error of continuous columns in original units for Adult, and seconds pe
     OMP_NUM_THREADS=1 python benchmarks/spear_benchmark.py --rows transformer3 digits:10 mnist5k:10 adult:16 \\
         --batches 10 --out benchmarks/results/spear_cpu.md
 
-A row is `name` or `name:B` (B = samples per client update; transformer3 uses one 16-token sequence).
+A row is `name` or `name:B` (B = samples per client update; for transformer3, B = 16-token sequences,
+default 1). `--prior` guides SPEAR with the server's auxiliary data (see `Spear._guided`).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def match(truth, recovered):
     return best, recovered.double()[index]
 
 
-def text_row(args, attack):
+def text_row(args, attack, sequences=1):
     from lti.targets import Transformer3
 
     model = Transformer3()
@@ -58,17 +59,20 @@ def text_row(args, attack):
     pipeline = UpdatePipeline(model, client=FedSGDClient(mode="eval"),
                               observed=ParameterSelection(include=[f"{name}.*"]), hash_bins=64)
     gen = torch.Generator().manual_seed(args.seed)
-    ids = torch.randint(0, model.vocab_size, (args.batches, 1, 16), generator=gen)  # random 16-token sequences
+    ids = torch.randint(0, model.vocab_size, (args.batches, sequences, 16), generator=gen)  # random 16-token sequences
     parts = pipeline.split(pipeline(ids, keep_update=True).update)
+    # The prior: layer inputs of other random sequences (the client data are random tokens too).
+    prior = layer_inputs(model, layer, torch.randint(0, model.vocab_size, (256, 16), generator=gen)) if args.prior else None
     records = []
     for u in range(args.batches):
         truth = layer_inputs(model, layer, ids[u])
         result = attack.attack(parts[layer.weight_name][u], parts[layer.bias_name][u], batch_size=truth.shape[0],
-                               weight=layer.module.weight, bias=layer.module.bias)
+                               weight=layer.module.weight, bias=layer.module.bias, prior=prior)
         best, _ = match(truth, result.inputs)
         records.append({"exact": result.exact, "rows": float((best > 0.999).double().mean()), "seconds": result.diagnostics["seconds"],
-                        "samples": result.diagnostics["samples"], "reason": result.reason, "guesses": 0})
-    return f"transformer3 `{name}`, 1 x 16 tokens", 16, records
+                        "samples": result.diagnostics["samples"], "reason": result.reason,
+                        "guesses": result.diagnostics.get("prior_guesses", 0)})
+    return f"transformer3 `{name}`, {sequences} x 16 tokens", 16 * sequences, records
 
 
 def vision_row(args, attack, dataset, batch):
@@ -83,7 +87,11 @@ def vision_row(args, attack, dataset, batch):
     pipeline = VisionUpdatePipeline(model, VisionClient(samples_per_update=batch, mode="eval"),
                                     observed=ParameterSelection(include=[f"{name}.*"]), hash_bins=64)
     gen = torch.Generator().manual_seed(args.seed)
-    order = torch.randperm(len(split), generator=gen)[: args.batches * batch].view(args.batches, batch)
+    # Disjoint batches while the split allows it, else independent random batches (distinct samples within each).
+    if args.batches * batch <= len(split):
+        order = torch.randperm(len(split), generator=gen)[: args.batches * batch].view(args.batches, batch)
+    else:
+        order = torch.stack([torch.randperm(len(split), generator=gen)[:batch] for _ in range(args.batches)])
     inputs, labels = split.inputs[order], split.labels[order]
     parts = pipeline.split(pipeline(inputs, labels, keep_update=True).update)
     # The server's auxiliary data (the train split; the attacked updates come from the test split),
@@ -159,7 +167,7 @@ def main(argv=None):
         name, _, size = spec.partition(":")
         start = time.perf_counter()
         if name == "transformer3":
-            label, batch, records = text_row(args, attack)
+            label, batch, records = text_row(args, attack, int(size or 1))
         else:
             label, batch, records = vision_row(args, attack, name, int(size or 20))
         rows.append(summarise(label, batch, records))

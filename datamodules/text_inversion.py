@@ -213,6 +213,13 @@ class TextInversionDataModule(LightningDataModule):
             token_counts=self._counts,
         )
 
+    def auxiliary_inputs(self, limit: int) -> Tensor:
+        """Up to `limit` of the server's auxiliary sequences (N, seq_len): model inputs an exact attack may
+        use as a prior (never evaluation data)."""
+        if self._splits is None:
+            raise RuntimeError("call setup() before asking for auxiliary inputs")
+        return self._splits["auxiliary"].ids.reshape(-1, self.seq_len)[:limit]
+
     # ---------------------------------------------------------------- loaders
     def _rank(self) -> int:
         return self.trainer.global_rank if self.trainer is not None else 0

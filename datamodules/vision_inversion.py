@@ -117,6 +117,14 @@ class ImageInversionDataModule(LightningDataModule):
         """Tables: [(column name, 'continuous' | 'discrete', slice of the row)]; empty for images."""
         return self.data.column_spec if self.data is not None else []
 
+    def auxiliary_inputs(self, limit: int) -> Tensor:
+        """Up to `limit` of the server's auxiliary inputs (N, *input_shape), the train split: model inputs
+        an exact attack may use as a prior (never evaluation data)."""
+        if self._splits is None:
+            raise RuntimeError("call setup() before asking for auxiliary inputs")
+        inputs = self._splits["train"].inputs
+        return inputs.reshape(-1, *inputs.shape[2:])[:limit]
+
     def _as_updates(self, inputs: Tensor, labels: Tensor, limit: int | None, shuffle: bool) -> LabelledUpdates:
         if shuffle:  # group random samples into updates, fixed once by the seed
             order = torch.randperm(labels.shape[0], generator=torch.Generator().manual_seed(self.seed))

@@ -24,6 +24,10 @@ The attack never reads the true tokens; they are used here for the metrics only.
 `rows_recovered`: fraction of true rows with that cosine above `row_threshold`). The true layer
 inputs, for the metrics only, come from running the global model (eval mode) on the batch's
 `inputs` (images/tables) or `input_ids` (text) with a forward hook on the layer.
+
+With `prior_samples > 0`, SPEAR is guided by the layer inputs of that many of the server's auxiliary
+samples (`datamodule.auxiliary_inputs`, the same data LTI trains on; see `Spear._guided`): the threat
+model of the learned attacks, and orders of magnitude fewer draws at B >= 20. 0 is the paper's SPEAR.
 """
 
 from __future__ import annotations
@@ -194,6 +198,7 @@ class SpearCallback(ExactAttackCallback):
         stages: tuple[str, ...] = ("val", "test"),
         known_batch_size: bool = True,
         row_threshold: float = 0.999,
+        prior_samples: int = 0,
     ) -> None:
         """
         Args:
@@ -206,6 +211,8 @@ class SpearCallback(ExactAttackCallback):
             known_batch_size: Give SPEAR the number of layer-input rows per update (the client protocol:
                 samples, or sequences x tokens for text); False lets it estimate the rank.
             row_threshold: A true row counts as recovered when its best cosine exceeds this.
+            prior_samples: Guide SPEAR with the layer inputs of this many auxiliary samples of the server
+                (`datamodule.auxiliary_inputs`); 0: unguided, as in the paper.
         """
         super().__init__(max_updates_per_batch, every_n_batches, stages)
         if not layer:
@@ -214,6 +221,10 @@ class SpearCallback(ExactAttackCallback):
         self.attack = attack if attack is not None else Spear()
         self.known_batch_size = known_batch_size
         self.row_threshold = row_threshold
+        if prior_samples < 0:
+            raise ValueError(f"prior_samples={prior_samples} must be >= 0")
+        self.prior_samples = int(prior_samples)
+        self._prior_cache: tuple[Any, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------------------------------------------
 
@@ -231,6 +242,24 @@ class SpearCallback(ExactAttackCallback):
             handle.remove()
             target.train(was_training)
         return seen[0].reshape(-1, layer.module.in_features)
+
+    def _prior(self, trainer: Trainer, target: torch.nn.Module, layer: ReluLinear) -> torch.Tensor | None:
+        """Layer inputs of the auxiliary samples (computed once per target and layer; the global model is fixed)."""
+        if self.prior_samples == 0:
+            return None
+        key = (id(target), self.layer)
+        if self._prior_cache is not None and self._prior_cache[0] == key:
+            return self._prior_cache[1]
+        source = getattr(trainer.datamodule, "auxiliary_inputs", None)
+        if source is None:
+            self._warn("prior", "the datamodule has no auxiliary_inputs(); SPEAR runs without a prior")
+            return None
+        inputs = source(self.prior_samples)
+        device = next(target.parameters()).device
+        prior = torch.cat([self._layer_inputs(target, layer, chunk.to(device)).double().cpu()
+                           for chunk in inputs.split(256)])
+        self._prior_cache = (key, prior)
+        return prior
 
     def _run(self, trainer: Trainer, pl_module: LightningModule, batch: dict, update: torch.Tensor, pipeline: Any,
              stage: str) -> None:
@@ -261,6 +290,7 @@ class SpearCallback(ExactAttackCallback):
         columns = list(getattr(trainer.datamodule, "table_columns", None) or [])
         data = getattr(trainer.datamodule, "data", None)
         images = not text and model_inputs.dim() == 5
+        prior = self._prior(trainer, target, layer)
         certified = rows = recovered = 0
         cosine_sum = psnr_sum = 0.0
         psnr_count = discrete_total = discrete_correct = 0
@@ -270,7 +300,7 @@ class SpearCallback(ExactAttackCallback):
             bias_grad = split[layer.bias_name][u] if layer.bias_name in split else None
             result = self.attack.attack(
                 split[layer.weight_name][u], bias_grad, batch_size=truth.shape[0] if self.known_batch_size else None,
-                weight=layer.module.weight, bias=layer.module.bias,
+                weight=layer.module.weight, bias=layer.module.bias, prior=prior,
             )
             certified += int(result.exact)
             rows += truth.shape[0]

@@ -201,6 +201,7 @@ class Spear:
         prior_rows: tuple[float, ...] = (1.25, 2.0),
         prior_rounds: int = 4,
         max_prior: int = 4096,
+        sweep_dims: int = 3,
         device: str | torch.device = "cpu",
         dtype: str = "float64",
     ) -> None:
@@ -234,6 +235,8 @@ class Spear:
             prior_rounds: Rounds of prior guesses; each round projects the guesses on the complement of the
                 directions found so far (a round that finds nothing ends the prior phase).
             max_prior: Use at most this many prior inputs (a seeded random subset of larger priors).
+            sweep_dims: When at most this many columns are left, the prior rounds also sweep the subspace
+                their p_j lie in (see `_sweep`); 0 disables the sweep.
             device: Device of the computation.
             dtype: "float64" (default) or "float32".
         """
@@ -245,7 +248,7 @@ class Spear:
             raise ValueError(f"dtype {dtype!r} not allowed; use one of {sorted(_DTYPES)}")
         if rank_tol <= 0:
             raise ValueError(f"rank_tol={rank_tol} must be > 0")
-        if not prior_rows or any(f <= 0 for f in prior_rows) or prior_rounds < 0 or max_prior < 1:
+        if not prior_rows or any(f <= 0 for f in prior_rows) or prior_rounds < 0 or max_prior < 1 or sweep_dims < 0:
             raise ValueError(f"prior_rows={prior_rows} must be positive multiples of b, prior_rounds={prior_rounds} "
                              f">= 0, max_prior={max_prior} >= 1")
         self.tau = float(tau)
@@ -264,6 +267,7 @@ class Spear:
         self.prior_rows = tuple(float(f) for f in prior_rows)
         self.prior_rounds = int(prior_rounds)
         self.max_prior = int(max_prior)
+        self.sweep_dims = int(sweep_dims)
         self.device = torch.device(device)
         self.dtype = _DTYPES[dtype]
 
@@ -514,15 +518,19 @@ class Spear:
         offset = bias.detach().to(self.device, self.dtype)[live]
         sizes = sorted({min(rows, max(b - 1, math.ceil(f * b))) for f in self.prior_rows})
         diag["prior_guesses"] = 0
+        scale = float(guesses.norm(dim=1).median())  # a typical |p|, for the sweeps below
         for _ in range(self.prior_rounds):
             before = len(state.candidates)
             p = guesses
             regular = [c[0] for c in state.candidates if not c[2]]
             if regular:
-                basis = torch.linalg.qr(torch.stack(regular, dim=1)).Q  # (b, found)
-                if basis.shape[1] >= b:
+                found = torch.linalg.qr(torch.stack(regular, dim=1)).Q  # (b, found)
+                if found.shape[1] >= b:
                     break
-                p = p - (p @ basis) @ basis.T  # unfound p_j are orthogonal to found q's
+                p = p - (p @ found) @ found.T  # unfound p_j are orthogonal to found q's
+                left_dims = b - found.shape[1]
+                if left_dims <= self.sweep_dims and scale > 0:
+                    p = torch.cat([p, self._sweep(found, left_dims, scale, generator)])
             for chunk in p.split(self.batch_samples):
                 margins = chunk @ a.T + offset  # (chunk, rows) pre-activations under each guess
                 for k in sizes:
@@ -541,6 +549,25 @@ class Spear:
             if len(state.candidates) == before:
                 break
         return False
+
+    def _sweep(self, found: Tensor, left_dims: int, scale: float, generator) -> Tensor:
+        """Guesses covering the complement of the found directions, where the unfound p_j lie: directions
+        (both signs of a line, 47 angles of a plane, 256 per dimension at random beyond) times 32 scales
+        over four decades around a typical |p|. For when no prior input points the right way."""
+        b = found.shape[0]
+        eye = torch.eye(b, dtype=found.dtype, device=found.device)
+        complement = torch.linalg.qr(torch.cat([found, eye], dim=1)).Q[:, found.shape[1]: b]  # (b, left_dims)
+        if left_dims == 1:
+            coords = torch.tensor([[1.0], [-1.0]], dtype=found.dtype, device=found.device)
+        elif left_dims == 2:
+            angles = torch.linspace(0, 2 * math.pi, 48, dtype=found.dtype, device=found.device)[:47]
+            coords = torch.stack([angles.cos(), angles.sin()], dim=1)
+        else:
+            coords = torch.randn(256 * left_dims, left_dims, generator=generator, device=found.device, dtype=found.dtype)
+            coords = coords / coords.norm(dim=1, keepdim=True)
+        directions = coords @ complement.T
+        sizes = scale * torch.logspace(-2, 2, 32, dtype=found.dtype, device=found.device)
+        return (directions[:, None, :] * sizes[None, :, None]).reshape(-1, b)
 
     def _line_kernels(self, unit: Tensor, b: int, count: int, generator, screen_tol: float) -> tuple[Tensor, Tensor]:
         """b-2 sampled rows leave a 2-D kernel K; if they lie in column j's zero set, q_j = K c and every

@@ -50,11 +50,11 @@ def test_text_batch_recovers_transformer3_ffn_inputs():
     assert module2.logged == {}
 
 
-def _vision_pipeline(input_shape, samples):
+def _vision_pipeline(input_shape, samples, hidden=64):
     vision = pytest.importorskip("datamodules.vision")
     from lti.targets.vision import FCNN
 
-    model = FCNN(input_shape=input_shape, num_classes=4, hidden=64, num_layers=3)
+    model = FCNN(input_shape=input_shape, num_classes=4, hidden=hidden, num_layers=3)
     return vision.VisionUpdatePipeline(model, vision.VisionClient(samples_per_update=samples, mode="eval"), hash_bins=16)
 
 
@@ -114,3 +114,40 @@ def test_missing_update_or_layer_warns_and_skips():
         SpearCallback(layer="layers.0", every_n_batches=0)
     with pytest.raises(ValueError):
         SpearCallback(layer="layers.0", stages=("train",))
+
+
+def test_prior_samples_guide_spear_with_the_servers_auxiliary_inputs():
+    from exact.spear import Spear
+
+    pipeline = _vision_pipeline((1, 6, 6), samples=12, hidden=128)
+    gen = torch.Generator().manual_seed(2)
+    prototypes = torch.rand(8, 1, 6, 6, generator=gen)  # "classes": the batch and the auxiliary data share them
+
+    def draw(count):
+        return (prototypes[torch.randint(0, 8, (count,), generator=gen)] + 0.1 * torch.randn(count, 1, 6, 6, generator=gen)).clamp(0, 1)
+
+    inputs, auxiliary = draw(12)[None], draw(400)
+    labels = torch.randint(0, 4, (1, 12), generator=gen)
+    batch = {"inputs": inputs, "labels": labels, "update": pipeline(inputs, labels, keep_update=True).update}
+    asked = []
+
+    def auxiliary_inputs(limit):
+        asked.append(limit)
+        return auxiliary[:limit]
+
+    trainer = trainer_with(pipeline, auxiliary_inputs=auxiliary_inputs)
+    one_draw = Spear(max_samples=1)  # random sampling alone cannot find 12 directions in one draw
+    blind, guided = RecordingModule(), RecordingModule()
+    SpearCallback(layer="layers.0", attack=one_draw).on_test_batch_end(trainer, blind, None, batch, 0)
+    callback = SpearCallback(layer="layers.0", attack=one_draw, prior_samples=300)
+    callback.on_test_batch_end(trainer, guided, None, batch, 0)
+    callback.on_test_batch_end(trainer, guided, None, batch, 0)
+    assert blind.logged["test/spear/exact_fraction"] == 0.0
+    assert guided.logged["test/spear/exact_fraction"] == 1.0 and guided.logged["test/spear/psnr"] > 100
+    assert asked == [300]  # the prior's layer inputs are computed once
+    with pytest.raises(ValueError):
+        SpearCallback(layer="layers.0", prior_samples=-1)
+    # A datamodule without auxiliary inputs: a warning, and SPEAR runs unguided.
+    with pytest.warns(UserWarning, match="auxiliary_inputs"):
+        SpearCallback(layer="layers.0", attack=one_draw, prior_samples=10).on_test_batch_end(
+            trainer_with(pipeline), RecordingModule(), None, batch, 0)
