@@ -56,7 +56,7 @@ def text_row(args, attack, sequences=1):
     model = Transformer3()
     name = "encoder.layers.0.linear1"
     layer = relu_linear_layer(model, name)
-    pipeline = UpdatePipeline(model, client=FedSGDClient(mode="eval"),
+    pipeline = UpdatePipeline(model, client=FedSGDClient(mode="eval", sequences_per_update=sequences),
                               observed=ParameterSelection(include=[f"{name}.*"]), hash_bins=64)
     gen = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, model.vocab_size, (args.batches, sequences, 16), generator=gen)  # random 16-token sequences

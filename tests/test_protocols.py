@@ -151,8 +151,20 @@ def test_fedavg_one_full_minibatch_is_lr_times_the_fedsgd_gradient():
     ids = torch.randint(0, 300, (3, 4, 8))
     names = ParameterSelection().resolve(model)
     fedsgd = FedSGDClient("eval", 4).observe(model, names, ids)
-    fedavg = FedAvgClient("eval", 4, local_epochs=1, minibatch_size=4, lr=0.3).observe(model, names, ids)
+    client = FedAvgClient("eval", 4, local_epochs=1, minibatch_size=4, lr=0.3)
+    fedavg = client.observe(model, names, ids)
     assert relative_error(fedavg, 0.3 * fedsgd) < 1e-12
+    # The pseudo-gradient exact attacks use: delta / (steps * lr) is the FedSGD gradient here.
+    assert client.local_steps() == 1 and relative_error(fedavg * client.gradient_scale(), fedsgd) < 1e-12
+
+
+def test_local_steps_and_gradient_scale_per_protocol():
+    assert FedSGDClient("eval", 2).local_steps() == 1 and FedSGDClient("eval", 2).gradient_scale() == 1.0
+    fedavg = FedAvgClient("train", 5, local_epochs=2, minibatch_size=2, lr=0.05)
+    assert fedavg.local_steps() == 2 * 3  # ceil(5 / 2) minibatches per epoch
+    assert fedavg.gradient_scale() == pytest.approx(1 / (6 * 0.05))
+    lora = LoRAClient(local=fedavg)
+    assert lora.local_steps() == 6 and lora.gradient_scale() == fedavg.gradient_scale()
 
 
 def test_fedavg_trains_unobserved_parameters_when_asked():

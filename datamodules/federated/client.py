@@ -332,6 +332,16 @@ class ClientProtocol(CLIENT_PROTOCOLS.base(), ABC):
         """(noisy steps, sample rate) of DP-SGD on one client, for the accountant."""
         return 1, 1.0
 
+    def local_steps(self) -> int:
+        """Optimiser steps between the global weights and the update sent (1 for FedSGD)."""
+        return 1
+
+    def gradient_scale(self) -> float:
+        """Factor turning a sent update into a pseudo-gradient (the mean gradient of the local steps):
+        1 for FedSGD; 1 / (steps * lr) for a weight delta, which is lr times the sum of the steps'
+        gradients (DAGER's FedAvg setting). Exact attacks run on update * gradient_scale()."""
+        return 1.0
+
     def describe(self) -> dict:
         """JSON-safe summary (saved with checkpoints and results)."""
         out = {"name": self.name}

@@ -111,6 +111,12 @@ class FedAvgClient(ClientProtocol):
     def privacy_steps(self) -> tuple[int, float]:
         return self.local_epochs * self.steps_per_epoch, min(1.0, self.minibatch_size / self.sequences_per_update)
 
+    def local_steps(self) -> int:
+        return self.local_epochs * self.steps_per_epoch
+
+    def gradient_scale(self) -> float:
+        return 1.0 / (self.local_steps() * self.lr)
+
     def trained_names(self, target: nn.Module, names: Sequence[str], trainable: Sequence[str] | None = None) -> list[str]:
         """Observed names first (their delta is sent), then the other parameters the client trains."""
         if trainable is not None:
@@ -261,6 +267,12 @@ class LoRAClient(ClientProtocol):
 
     def privacy_steps(self) -> tuple[int, float]:
         return self.local.privacy_steps()
+
+    def local_steps(self) -> int:
+        return self.local.local_steps()
+
+    def gradient_scale(self) -> float:
+        return self.local.gradient_scale()
 
     def prepare(self, target: TargetLM) -> TargetLM:
         """Inject the adapters into `target` in place (deterministic from `seed`); freeze everything."""

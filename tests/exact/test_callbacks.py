@@ -42,3 +42,41 @@ def test_callback_rejects_bad_arguments():
         DagerCallback(every_n_batches=0)
     with pytest.raises(ValueError):
         DagerCallback(stages=("train",))
+
+
+def test_fedavg_updates_are_attacked_as_pseudo_gradients_with_looser_thresholds():
+    """FedAvg E=2 over 4 sequences in minibatches of 2 (4 local steps, eval mode): DAGER runs on
+    delta / (steps * lr) with thresholds raised to `multi_step_threshold` and recovers every sequence."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from datamodules.federated import FedAvgClient, UpdatePipeline
+    from exact.callbacks import DagerCallback
+    from exact.dager import Dager
+    from lti.targets import Transformer3
+
+    torch.manual_seed(0)
+    client = FedAvgClient(mode="eval", sequences_per_update=4, local_epochs=2, minibatch_size=2, lr=0.01)
+    assert client.local_steps() == 4 and client.gradient_scale() == pytest.approx(1 / (4 * 0.01))
+    pipeline = UpdatePipeline(Transformer3(), client=client, hash_bins=64)
+    ids = torch.randint(1000, 5000, (1, 4, 16), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "update": pipeline(ids, keep_update=True).update}
+
+    class Recorder:
+        logged: dict = {}
+
+        def log(self, name, value, **kwargs):
+            self.logged[name] = float(value)
+
+    callback = DagerCallback(attack=Dager(), log_samples=False)
+    loosened = callback._attack_for(pipeline)
+    assert (loosened.l1_threshold, loosened.l2_threshold) == (1e-2, 1e-2)
+    assert callback.attack.l1_threshold == 1e-3  # the configured attack is not modified
+    assert DagerCallback(multi_step_threshold=None)._attack_for(pipeline).l1_threshold == 1e-3
+    module = Recorder()
+    trainer = SimpleNamespace(datamodule=SimpleNamespace(pipeline=pipeline, tokenizer=None), sanity_checking=False)
+    callback.on_test_batch_end(trainer, module, None, batch, 0)
+    assert module.logged["test/dager/exact_fraction"] == 1.0
+    with pytest.raises(ValueError):
+        DagerCallback(multi_step_threshold=0.0)
