@@ -166,7 +166,7 @@ def _find(tree: Any, key: str) -> Any:
 
 def _run_lti(args: list[str], inline: bool, log) -> None:
     if inline:
-        from lti.cli import run  # the caller's process: no Lightning start-up per cell (tests)
+        from lti.cli import run  # the caller's process: no interpreter or import start-up per cell
 
         argv, sys.argv = sys.argv, ["lti"]  # LightningCLI warns when it sees the grid's own arguments
         try:
