@@ -111,6 +111,18 @@ def test_datamodule_batches_carry_features_and_eval_updates(corpus_files):
     assert text[0].startswith("Held out line 0")
 
 
+def test_auxiliary_inputs_are_the_servers_sequences(corpus_files):
+    dm = _datamodule(corpus_files, eval_samples=6)
+    with pytest.raises(RuntimeError, match="setup"):
+        dm.auxiliary_inputs(3)
+    dm.setup()
+    aux = dm.auxiliary_inputs(3)
+    assert aux.shape == (3, 8)
+    assert torch.equal(aux, dm._splits["auxiliary"].ids.reshape(-1, 8)[:3])
+    # Only auxiliary text: no held-out (evaluation) line among them.
+    assert not any(text.startswith("Held out") for text in dm.decode(dm.auxiliary_inputs(10_000)))
+
+
 def test_datamodule_rejects_bad_settings(corpus_files):
     with pytest.raises(ValueError, match="exceeds the target model's 8 positions"):
         _datamodule(corpus_files).__class__(target=_datamodule(corpus_files).target, seq_len=9)

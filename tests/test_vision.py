@@ -256,3 +256,21 @@ def test_table_lti_reports_discrete_accuracy(tmp_path):
     main(["validate", "--config", _vision_config(tmp_path, dataset="adult", target=target, samples_per_update=1)])
     metrics = json.loads((tmp_path / "run" / "val_metrics.json").read_text())["metrics"]
     assert 0.0 <= metrics["val/lti/discrete_acc"] <= 1.0 and "val/lti/psnr" not in metrics
+
+
+@needs("sklearn")
+def test_auxiliary_inputs_come_from_the_servers_split_never_the_clients():
+    from datamodules.vision_inversion import ImageInversionDataModule
+
+    data = ImageInversionDataModule(dataset="digits", samples_per_update=4, train_samples=40, eval_samples=8)
+    with pytest.raises(RuntimeError, match="setup"):
+        data.auxiliary_inputs(5)
+    data.setup("test")
+    aux = data.auxiliary_inputs(10)
+    assert aux.shape == (10, 1, 8, 8)
+    assert data.auxiliary_inputs(1000).shape == (40, 1, 8, 8)  # all of the (limited) auxiliary data
+    train = data._splits["train"].inputs.reshape(-1, 1, 8, 8)
+    evaluation = data._splits["test"].inputs.reshape(-1, 1, 8, 8)
+    assert torch.equal(aux, train[:10])
+    # No auxiliary image is one of the clients' evaluation images.
+    assert not (aux.reshape(10, 1, -1) == evaluation.reshape(1, evaluation.shape[0], -1)).all(-1).any()
