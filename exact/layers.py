@@ -48,6 +48,12 @@ class GradientBlock:
         return weight_grad[self.start : self.stop, :].transpose(0, 1)
 
 
+def lora_a_name(param_name: str, adapter: str = "default") -> str | None:
+    """The peft lora_A weight beside a wrapped layer's base weight (`x.base_layer.weight` -> `x.lora_A.default.weight`)."""
+    suffix = ".base_layer.weight"
+    return param_name[: -len(suffix)] + f".lora_A.{adapter}.weight" if param_name.endswith(suffix) else None
+
+
 @dataclass(frozen=True)
 class ProjectionRef:
     """The attention projections of one layer whose weight gradients span that layer's inputs.
@@ -71,13 +77,25 @@ class ProjectionRef:
         return (self.query,) if which == "q" else (self.query, *self.key_value)
 
     def input_space(self, update: Mapping[str, Tensor], which: str = "qkv") -> Tensor | None:
-        """(d_in, total width) from the update dict, or None if a needed parameter is not observed."""
-        parts = []
+        """(d_in, total width) from the update dict, or None if a needed parameter is not observed.
+
+        A LoRA client sends adapter updates only: for a projection W + B A, dL/dA = B^T dL/dW (up to
+        the LoRA scale) has its rows in the span of the layer inputs too, so lora_A's gradient stands
+        in for the weight's (DAGER's LoRA setting; it spans all the inputs only when the rank r is at
+        least the number of tokens). A fused projection's blocks share one adapter, used once.
+        """
+        parts, adapters = [], set()
         for block in self.blocks(which):
             grad = update.get(block.param_name)
-            if grad is None:
+            if grad is not None:
+                parts.append(block.input_space(grad))
+                continue
+            adapter = lora_a_name(block.param_name)
+            if adapter is None or adapter not in update:
                 return None
-            parts.append(block.input_space(grad))
+            if adapter not in adapters:
+                adapters.add(adapter)
+                parts.append(update[adapter].transpose(0, 1))  # lora_A: (r, d_in)
         return torch.cat(parts, dim=1)
 
     def names(self, which: str = "qkv") -> list[str]:
@@ -190,7 +208,7 @@ def _find_module(model: nn.Module, pattern: str, kind: type | tuple[type, ...] |
     regex = re.compile(r"(^|\.)" + pattern + r"$")
     hits = [(name, mod) for name, mod in model.named_modules() if regex.search(name)]
     if kind is not None:
-        hits = [(n, m) for n, m in hits if isinstance(m, kind)]
+        hits = [(n, m) for n, m in hits if isinstance(_unwrapped(m), kind)]
     if len(hits) != 1:
         found = ", ".join(n for n, _ in hits[:4]) or "none"
         raise ValueError(f"expected exactly one module named like {pattern!r}, found {len(hits)} ({found})")
@@ -206,9 +224,18 @@ def _maybe_module(model: nn.Module, pattern: str, kind=None) -> tuple[str, nn.Mo
 
 def _param_name(model: nn.Module, module_name: str, attr: str) -> str:
     name = f"{module_name}.{attr}" if module_name else attr
-    if name not in dict(model.named_parameters()):
+    params = dict(model.named_parameters())
+    if name not in params and f"{module_name}.base_layer.{attr}" in params:
+        name = f"{module_name}.base_layer.{attr}"  # a peft (LoRA) wrapper around the layer
+    if name not in params:
         raise ValueError(f"parameter {name!r} not found in the target model")
     return name
+
+
+def _unwrapped(module: nn.Module) -> nn.Module:
+    """The layer inside a peft (LoRA) wrapper, or the module itself."""
+    base = getattr(module, "base_layer", None)
+    return base if isinstance(base, nn.Module) else module
 
 
 def _fused(model: nn.Module, module_name: str, attr: str, layout, d: int) -> ProjectionRef:
@@ -224,7 +251,7 @@ def _separate(model: nn.Module, query_module: str, key: str, value: str) -> Proj
     parent = query_module.rsplit(".", 1)[0]
     blocks = []
     for module_name in (query_module, f"{parent}.{key}", f"{parent}.{value}"):
-        linear = modules.get(module_name)
+        linear = _unwrapped(modules[module_name]) if module_name in modules else None
         if not isinstance(linear, nn.Linear):
             raise ValueError(f"expected an nn.Linear named {module_name!r}")
         blocks.append(GradientBlock(_param_name(model, module_name, "weight"), "out_in", 0, linear.out_features))

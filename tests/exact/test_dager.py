@@ -406,3 +406,25 @@ def test_pretrained_minilm_encoder_if_installed():
         target, client_update(target, ids), batch_size=1, max_length=ids.shape[1]
     )
     assert result.sequences == truth(ids) and result.exact
+
+
+@pytest.mark.parametrize("arch, rank, recovered", [
+    ("gpt2", 16, True),   # fused c_attn: one adapter of rank 16 >= the 11 tokens with a gradient
+    ("gpt2", 8, False),   # rank 8 < 11 tokens: lora_A's rows miss part of the inputs' span
+    ("llama", 8, True),   # separate q/k/v adapters: 3 x 8 columns span the 11 inputs
+])
+def test_dager_reads_lora_a_gradients_when_only_adapters_are_sent(arch, rank, recovered):
+    """LoRA clients send adapter updates; dL/dA = B^T dL/dW spans the layer inputs when the adapters'
+    columns cover the tokens (DAGER's LoRA setting). The last token is a label only: without the
+    final-norm gradient (not sent), it is not recoverable."""
+    from datamodules.federated import LoRAClient
+
+    target = gpt2() if arch == "gpt2" else llama()
+    pipeline = UpdatePipeline(target, client=LoRAClient(rank=rank, init_b_std=0.02, local=FedSGDClient(mode="eval")),
+                              hash_bins=16)
+    assert all(".lora_" in name for name in pipeline.names)
+    ids = torch.randint(3, VOCAB - 3, (1, 1, 12), generator=torch.Generator().manual_seed(1))
+    parts = pipeline.split(pipeline(ids, keep_update=True).update)
+    result = Dager().attack(pipeline.target, {name: grads[0] for name, grads in parts.items()}, batch_size=1, max_length=12)
+    assert (result.sequences == [ids[0, 0, :-1].tolist()]) is recovered
+    assert not result.exact  # the missing last token keeps it uncertified
