@@ -509,8 +509,6 @@ class Spear:
         unit, b, diag = state.unit, state.b, state.diag
         rows = unit.shape[0]
         x = prior.detach().to(self.device, self.dtype).reshape(prior.shape[0], -1)
-        if x.shape[1] != right.shape[1]:
-            raise ValueError(f"prior inputs have {x.shape[1]} features, the layer has {right.shape[1]}")
         if x.shape[0] > self.max_prior:
             x = x[torch.randperm(x.shape[0], generator=generator, device=self.device)[: self.max_prior]]
         guesses = x @ right.T  # (G, b) coordinates in the inputs' span
