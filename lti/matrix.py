@@ -10,7 +10,9 @@ stacking them (base configs, protocol, defense, attack, then the grid's override
 Each finished cell writes `cells/<protocol>__<defense>__<attack>/cell.json`; a rerun skips cells whose
 file exists with the same arguments (so a partly finished grid resumes where it stopped) and redoes
 cells whose arguments changed or that failed. A cell that does not apply is written as "n/a" with the
-grid's reason, never run. The table goes to `matrix.csv`, `matrix.json`, `matrix.md`, the plots to
+grid's reason, never run. `--resume_from matrix.json` seeds the cells from a table written earlier
+(e.g. the one committed under docs/): its records count as finished where their arguments match.
+The table goes to `matrix.csv`, `matrix.json`, `matrix.md`, the plots to
 `*.png`, and all of them to one W&B run (offline unless the grid says otherwise).
 
 This module drives the CLI; it holds no model code.
@@ -148,7 +150,11 @@ def cell_commands(grid: Grid, protocol: Entry, defense: Entry, attack: Entry) ->
     return [["fit", *args], ["test", *args, "--ckpt_path", str(folder / "ckpt" / "last.ckpt")]]
 
 
-def _fingerprint(commands: list[list[str]]) -> str:
+def cell_fingerprint(grid: Grid, protocol: Entry, defense: Entry, attack: Entry) -> str:
+    """A digest of the cell's arguments. The cell's own folder is left out, so a table made under one
+    out_dir still counts under another (`--resume_from`)."""
+    folder = str(grid.out_dir / "cells" / cell_id(protocol, defense, attack))
+    commands = [[a.replace(folder, "{cell}") for a in c] for c in cell_commands(grid, protocol, defense, attack)]
     return hashlib.sha256(json.dumps(commands).encode()).hexdigest()[:16]
 
 
@@ -187,7 +193,7 @@ def run_cell(grid: Grid, protocol: Entry, defense: Entry, attack: Entry, inline:
                               "kind": attack.kind, "noise": defense.noise}
     reason = attack.not_applicable.get(protocol.name) or attack.not_applicable.get(defense.name)
     commands = cell_commands(grid, protocol, defense, attack)
-    record["fingerprint"] = _fingerprint(commands)
+    record["fingerprint"] = cell_fingerprint(grid, protocol, defense, attack)
     if reason:
         return {**record, "status": "n/a", "reason": reason}
     record["commands"] = [["lti", *c] for c in commands]
@@ -250,13 +256,42 @@ def run_grid(grid: Grid, inline: bool = False, only: dict[str, list[str]] | None
     return records
 
 
+def import_records(grid: Grid, table: str | Path) -> int:
+    """Seeds the grid's cells from a `matrix.json` written earlier (e.g. on another machine).
+
+    A record counts only for a cell of this grid with the same arguments (fingerprint) and a finished
+    status (ok or n/a); cells that already hold a record keep it. Returns how many were imported.
+    """
+    table = Path(table)
+    if not table.is_file():
+        raise FileNotFoundError(f"table {str(table)!r} does not exist")
+    records = json.loads(table.read_text())
+    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+        raise ValueError(f"table {table}: expected the list of cell records that `lti matrix` writes as matrix.json")
+    cells = {cell_id(*cell): cell for cell in grid.cells()}
+    imported = 0
+    for record in records:
+        key = "__".join(str(record.get(axis)) for axis in ("protocol", "defense", "attack"))
+        if key not in cells or record.get("status") not in ("ok", "n/a"):
+            continue
+        if record.get("fingerprint") != cell_fingerprint(grid, *cells[key]):
+            continue  # made with other arguments: the cell runs again
+        path = grid.out_dir / "cells" / key / "cell.json"
+        if path.is_file():
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=2) + "\n")
+        imported += 1
+    return imported
+
+
 def _finished(grid: Grid, protocol: Entry, defense: Entry, attack: Entry, failed_too: bool = False) -> dict | None:
     """The cell's stored record if it was made with the cell's current arguments (else None)."""
     path = grid.out_dir / "cells" / cell_id(protocol, defense, attack) / "cell.json"
     if not path.is_file():
         return None
     record = json.loads(path.read_text())
-    if record.get("fingerprint") != _fingerprint(cell_commands(grid, protocol, defense, attack)):
+    if record.get("fingerprint") != cell_fingerprint(grid, protocol, defense, attack):
         return None
     return record if failed_too or record.get("status") in ("ok", "n/a") else None
 
@@ -401,6 +436,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out_dir", help="where cells, tables and plots go (default: the grid's out_dir)")
     for axis in ("attack", "protocol", "defense"):
         parser.add_argument(f"--{axis}s", nargs="+", metavar=axis.upper(), help=f"run only these {axis}s' cells")
+    parser.add_argument("--resume_from", metavar="MATRIX_JSON",
+                        help="count the finished cells of an earlier table (matrix.json) as done where their arguments match")
     parser.add_argument("--inline", action="store_true", help="run cells in this process (faster, less isolated)")
     parser.add_argument("--dry_run", action="store_true", help="print each cell's lti commands and stop")
     args = parser.parse_args(argv)
@@ -415,6 +452,8 @@ def main(argv: list[str] | None = None) -> None:
                 for command in cell_commands(grid, protocol, defense, attack):
                     print("lti " + " ".join(command))
             return
+        if args.resume_from:
+            print(f"imported {import_records(grid, args.resume_from)} finished cells from {args.resume_from}")
         only = {"attack": args.attacks, "protocol": args.protocols, "defense": args.defenses}
         records = run_grid(grid, inline=args.inline, only=only)
     except (ValueError, FileNotFoundError) as error:

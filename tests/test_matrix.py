@@ -140,3 +140,35 @@ def test_lti_matrix_subcommand_dry_run_prints_every_cell(grid_file, capsys):
     # 2 defenses x (lti: fit + test, dager: test), in grid order; DAGER under noise is n/a
     assert [c.split()[1] for c in commands] == ["fit", "test", "test", "fit", "test", "fedsgd__gauss__dager:"]
     assert commands[-1] == "# fedsgd__gauss__dager: n/a (noise breaks exactness)"
+
+
+def test_resume_from_an_earlier_table_under_another_out_dir(grid_file, tmp_path, capsys):
+    grid = load_grid(grid_file)
+    records = run_grid(grid, inline=True, only={"attack": ["dager"]}, echo=lambda _: None)
+    table = grid.out_dir / "matrix.json"
+    # A copy of the grid elsewhere (another machine, a fresh checkout) seeds its cells from the table:
+    # the finished DAGER cells (one ok, one n/a) are not run again, the LTI cells still are missing.
+    moved = load_grid(grid_file, out_dir=tmp_path / "elsewhere")
+    lines: list[str] = []
+    from lti.matrix import import_records
+
+    assert import_records(moved, table) == 2
+    again = run_grid(moved, inline=True, only={"attack": ["dager"]}, echo=lines.append)
+    assert all(line.endswith("done before, skipped") for line in lines) and len(lines) == 2
+    assert [r.get("metrics") for r in again] == [r.get("metrics") for r in records]
+    assert import_records(moved, table) == 0  # cells holding a record keep it
+
+    # A record made with other arguments is not imported.
+    changed = load_grid(grid_file, out_dir=tmp_path / "changed")
+    changed.overrides = {**changed.overrides, "data.hash_bins": 9}
+    assert import_records(changed, table) == 0
+    assert not (changed.out_dir / "cells").exists()
+
+    # The CLI flag; a missing table is a one-line error.
+    main(["--grid", str(grid_file), "--out_dir", str(tmp_path / "cli"), "--resume_from", str(table),
+          "--attacks", "dager", "--inline"])
+    out = capsys.readouterr().out
+    assert "imported 2 finished cells" in out and "2 cells (0 failed)" in out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--grid", str(grid_file), "--resume_from", str(tmp_path / "none.json")])
+    assert exit_info.value.code == 2 and "does not exist" in capsys.readouterr().err
