@@ -49,6 +49,7 @@ class ImageInversionDataModule(LightningDataModule):
         target: VisionTarget = lazy_instance(FCNN, input_shape=(1, 8, 8)),
         samples_per_update: int = 1,
         client_mode: Literal["train", "eval"] = "train",
+        client: VisionClient | None = None,
         defense: Defense = lazy_instance(NoDefense),
         observed: ParameterSelection = lazy_instance(ParameterSelection),
         hash_fraction: float = 0.1,
@@ -70,6 +71,9 @@ class ImageInversionDataModule(LightningDataModule):
                 6-layer ReLU FCNN for 8x8 digits). The paper's LTI setting is `LeNet` on CIFAR-10.
             samples_per_update: Labelled samples m in one client update (FedSGD: mean gradient over m).
             client_mode: `train` or `eval` mode of the target while the client computes its gradient.
+            client: The client protocol, when not FedSGD: e.g. `VisionFedAvgClient` (E local epochs of
+                SGD, sends the weight delta). It carries its own samples per update and mode; leave
+                `samples_per_update` and `client_mode` at their defaults or equal to its values.
             defense: Client-side defense (default: none); the same registry as for text.
             observed: Which parameters the server observes (default: all).
             hash_fraction: Hashed features k as a fraction of the observed dimension.
@@ -93,7 +97,15 @@ class ImageInversionDataModule(LightningDataModule):
         target, defense, observed = map(materialize, (target, defense, observed))
         self.dataset_name = dataset
         self.target = target
-        self.client = VisionClient(samples_per_update, mode=client_mode)
+        client = materialize(client)
+        if client is None:
+            client = VisionClient(samples_per_update, mode=client_mode)
+        elif samples_per_update not in (1, client.samples_per_update) or client_mode not in ("train", client.mode):
+            raise ValueError(
+                f"samples_per_update={samples_per_update} / client_mode={client_mode!r} disagree with the client "
+                f"{client!r}; set them on the client only"
+            )
+        self.client = client
         self.pipeline = VisionUpdatePipeline(
             target, self.client, defense, observed,
             hash_fraction=hash_fraction, hash_bins=hash_bins, hash_seed=hash_seed, hash_signed=hash_signed,
@@ -196,7 +208,7 @@ class ImageInversionDataModule(LightningDataModule):
 
     def describe(self) -> dict:
         """JSON-safe summary of the threat model, saved with checkpoints and results."""
-        return {
+        setting = {
             "dataset": self.dataset_name,
             "target": type(self.target).__name__,
             "client": repr(self.client),
@@ -206,3 +218,8 @@ class ImageInversionDataModule(LightningDataModule):
             "hash_bins": self.pipeline.spec.num_bins,
             "samples_per_update": self.samples_per_update,
         }
+        # DP-SGD reports its (epsilon, delta) for one client's local steps under this protocol.
+        privacy = self.pipeline.defense.privacy(*self.client.privacy_steps())
+        if privacy is not None:
+            setting["privacy"] = privacy
+        return setting

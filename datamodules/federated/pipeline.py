@@ -73,6 +73,23 @@ class HashedObservation(nn.Module):
             start += size
         return out
 
+    def _check_finite(self, values: Tensor) -> None:
+        """Raise on nan/inf in raw client gradients (..., D) before the defense hides them."""
+        # A sum is ~20x cheaper than an element-wise scan and is non-finite whenever an element
+        # is; only then (or on overflow of the sum) is the slow scan run to name the parameter.
+        if not torch.isfinite(values.sum()) and not torch.isfinite(values).all():
+            bad = self.names[self._first_nonfinite_parameter(values)]
+            raise FloatingPointError(f"non-finite client update (nan/inf) in parameter {bad!r}; check the target model and data")
+
+    def _first_nonfinite_parameter(self, per_example: Tensor) -> int:
+        start = 0
+        for i, (_, shape) in enumerate(self.spec.parameters):
+            size = math.prod(shape)
+            if not torch.isfinite(per_example[..., start : start + size]).all():
+                return i
+            start += size
+        return 0
+
 
 class UpdatePipeline(HashedObservation):
     def __init__(
@@ -118,20 +135,3 @@ class UpdatePipeline(HashedObservation):
             with torch.no_grad():
                 features = self.hasher(update)
         return ObservedUpdates(features=features, update=update if keep_update else None)
-
-    def _check_finite(self, values: Tensor) -> None:
-        """Raise on nan/inf in raw client gradients (..., D) before the defense hides them."""
-        # A sum is ~20x cheaper than an element-wise scan and is non-finite whenever an element
-        # is; only then (or on overflow of the sum) is the slow scan run to name the parameter.
-        if not torch.isfinite(values.sum()) and not torch.isfinite(values).all():
-            bad = self.names[self._first_nonfinite_parameter(values)]
-            raise FloatingPointError(f"non-finite client update (nan/inf) in parameter {bad!r}; check the target model and data")
-
-    def _first_nonfinite_parameter(self, per_example: Tensor) -> int:
-        start = 0
-        for i, (_, shape) in enumerate(self.spec.parameters):
-            size = math.prod(shape)
-            if not torch.isfinite(per_example[..., start : start + size]).all():
-                return i
-            start += size
-        return 0

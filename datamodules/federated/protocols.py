@@ -38,6 +38,7 @@ from datamodules.federated.client import (
     model_mode,
 )
 from datamodules.federated.defenses import Defense, NoDefense
+from datamodules.federated.local_sgd import LocalSGD
 from datamodules.federated.observed import ParameterSelection
 from datamodules.federated.presets import LORA_TARGETS, architecture_of
 from lti.targets.base import TargetLM
@@ -45,14 +46,14 @@ from lti.targets.base import TargetLM
 __all__ = ["CLIENT_PROTOCOLS", "ClientProtocol", "FedSGDClient", "FedAvgClient", "LoRAClient"]
 
 
-class FedAvgClient(ClientProtocol):
+class FedAvgClient(LocalSGD, ClientProtocol):  # LocalSGD first: its step counts override the FedSGD defaults
     """FedAvg: E local epochs of minibatch SGD on the client's n sequences; sends w_start - w_end.
 
-    Implementation: all U clients of a batch step in lock-step, each with its own flat copy of the
-    trained parameters. The first step runs at the global weights through the FedSGD fast path;
-    later steps use `client.group_gradients` (Transformer3: its engine with per-client weights;
-    other models: one vmap over clients with a batched head). A minibatch gradient is the mean of
-    its sequences' own mean-token-loss gradients.
+    Implementation: the schedule is `LocalSGD`'s (all U clients of a batch step in lock-step, each
+    with its own flat copy of the trained parameters). The first step runs at the global weights
+    through the FedSGD fast path; later steps use `client.group_gradients` (Transformer3: its engine
+    with per-client weights; other models: one vmap over clients with a batched head). A minibatch
+    gradient is the mean of its sequences' own mean-token-loss gradients.
     """
 
     name = "fedavg"
@@ -85,37 +86,13 @@ class FedAvgClient(ClientProtocol):
             implementation: `vmap` (fast) or `loop` (reference, one sequence at a time).
         """
         _check_mode(mode)
-        for key, value in (("sequences_per_update", sequences_per_update), ("local_epochs", local_epochs), ("minibatch_size", minibatch_size)):
-            if value < 1:
-                raise ValueError(f"FedAvg {key}={value} must be >= 1")
-        if not (lr > 0.0 and math.isfinite(lr)):
-            raise ValueError(f"FedAvg lr={lr} must be a finite number > 0")
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"FedAvg momentum={momentum} is outside [0, 1)")
         if implementation not in ("vmap", "loop"):
             raise ValueError(f"client implementation {implementation!r} is not allowed; use 'vmap' or 'loop'")
         self.mode = mode
         self.sequences_per_update = sequences_per_update
-        self.local_epochs = local_epochs
-        self.minibatch_size = minibatch_size
-        self.lr = float(lr)
-        self.momentum = float(momentum)
+        self._init_local_sgd(("sequences_per_update", sequences_per_update), local_epochs, minibatch_size, lr, momentum, shuffle)
         self.trainable = None if trainable is None else list(trainable)
-        self.shuffle = shuffle
         self.implementation = implementation
-
-    @property
-    def steps_per_epoch(self) -> int:
-        return math.ceil(self.sequences_per_update / self.minibatch_size)
-
-    def privacy_steps(self) -> tuple[int, float]:
-        return self.local_epochs * self.steps_per_epoch, min(1.0, self.minibatch_size / self.sequences_per_update)
-
-    def local_steps(self) -> int:
-        return self.local_epochs * self.steps_per_epoch
-
-    def gradient_scale(self) -> float:
-        return 1.0 / (self.local_steps() * self.lr)
 
     def trained_names(self, target: nn.Module, names: Sequence[str], trainable: Sequence[str] | None = None) -> list[str]:
         """Observed names first (their delta is sent), then the other parameters the client trains."""
@@ -154,13 +131,6 @@ class FedAvgClient(ClientProtocol):
         with torch.no_grad():
             return defense.local_step(per_seq, generator)
 
-    def _order(self, updates: int, generator: torch.Generator | None, device: torch.device) -> Tensor:
-        n = self.sequences_per_update
-        if not self.shuffle:
-            return torch.arange(n, device=device).expand(updates, n)
-        draw_device = generator.device if generator is not None else device
-        return torch.rand(updates, n, generator=generator, device=draw_device).argsort(dim=1).to(device)
-
     def observe(
         self,
         target: TargetLM,
@@ -182,24 +152,15 @@ class FedAvgClient(ClientProtocol):
         observed_dim = sum(params[name].numel() for name in names)
         # Global weights, flat in the order of `trained`, one stride-0 row per client.
         start = torch.cat([params[name].detach().reshape(-1) for name in trained]).expand(updates, -1)
-        weights, buffer, first = start, None, True
+
+        def step_gradient(index: Tensor, weights: Tensor | None) -> Tensor:
+            ids = input_ids.gather(1, index.unsqueeze(-1).expand(-1, -1, length))
+            mask = None if attention_mask is None else attention_mask.gather(1, index.unsqueeze(-1).expand(-1, -1, length))
+            return self._step_gradient(target, trained, ids, mask, weights, defense, generator, check)
+
         with model_mode(target, self.mode), torch.enable_grad():
-            for _ in range(self.local_epochs):
-                order = self._order(updates, generator, input_ids.device)
-                for step in range(self.steps_per_epoch):
-                    index = order[:, step * self.minibatch_size : (step + 1) * self.minibatch_size]
-                    ids = input_ids.gather(1, index.unsqueeze(-1).expand(-1, -1, length))
-                    mask = None if attention_mask is None else attention_mask.gather(1, index.unsqueeze(-1).expand(-1, -1, length))
-                    grad = self._step_gradient(target, trained, ids, mask, None if first else weights, defense, generator, check)
-                    first = False
-                    with torch.no_grad():
-                        # torch.optim.SGD: buf = momentum * buf + g (buf = g at the first step); w -= lr * buf.
-                        if self.momentum:
-                            buffer = grad if buffer is None else buffer.mul(self.momentum).add_(grad)
-                            grad = buffer
-                        weights = weights - self.lr * grad
+            delta = self.train_locally(start, observed_dim, step_gradient, generator)
         with torch.no_grad():
-            delta = (start[:, :observed_dim] - weights[:, :observed_dim]).contiguous()
             return defense.on_delta(delta, generator)
 
 

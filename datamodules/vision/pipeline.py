@@ -1,7 +1,8 @@
 """Image/table batch -> client update -> defense -> hashed features, for vision targets. No Lightning.
 
 The client's update is the FedSGD gradient of the cross-entropy classification loss on its own m
-labelled samples (the mean of the m per-sample gradients). Per-sample gradients come from
+labelled samples (the mean of the m per-sample gradients), or with `VisionFedAvgClient` the weight
+delta of E local epochs of minibatch SGD on them. Per-sample gradients come from
 `torch.func.vmap(grad(...))` over the batch (`per_sample_gradients`) and are tested against a plain
 autograd loop (`per_sample_gradients_loop`). Defenses (`DEFENSES`) and mmh3 hashing
 (`FeatureHasher`/`HashSpec`) are the text path's, unchanged; `VisionUpdatePipeline` composes them
@@ -12,13 +13,16 @@ with the same interface as the text `UpdatePipeline` (`.target`, `.spec`, `.name
 from __future__ import annotations
 
 from collections.abc import Sequence
+from fnmatch import fnmatchcase
 from typing import Literal
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
+from datamodules.federated.client import FiniteCheck
 from datamodules.federated.defenses import Defense, NoDefense
+from datamodules.federated.local_sgd import LocalSGD
 from datamodules.federated.observed import ParameterSelection
 from datamodules.federated.pipeline import HashedObservation, ObservedUpdates
 from lti.targets.vision import VisionTarget
@@ -101,8 +105,162 @@ class VisionClient:
             target.train(was_training)
         return grads.view(updates, per_update, -1)
 
+    def local_steps(self) -> int:
+        """Optimiser steps between the global weights and the update (FedSGD: 1)."""
+        return 1
+
+    def gradient_scale(self) -> float:
+        """Update -> pseudo-gradient factor for exact attacks (FedSGD: the update is the gradient)."""
+        return 1.0
+
+    def privacy_steps(self) -> tuple[int, float]:
+        """(noisy steps, sample rate) of DP-SGD on one client, for the accountant."""
+        return 1, 1.0
+
+    def observe(
+        self,
+        target: nn.Module,
+        names: Sequence[str],
+        inputs: Tensor,
+        labels: Tensor,
+        defense: Defense | None = None,
+        generator: torch.Generator | None = None,
+        check: FiniteCheck | None = None,
+    ) -> Tensor:
+        """(U, m, *input_shape) inputs, (U, m) labels -> (U, D) defended updates (the defense sees
+        the m per-sample gradients; DP-SGD clips each)."""
+        per_example = self.per_example_gradients(target, names, inputs, labels)
+        if check is not None:
+            check(per_example)
+        with torch.no_grad():
+            return (defense or NoDefense())(per_example, generator)
+
     def __repr__(self) -> str:
         return f"VisionClient(samples_per_update={self.samples_per_update}, mode={self.mode!r})"
+
+
+class VisionFedAvgClient(LocalSGD, VisionClient):
+    """FedAvg for image/table classifiers: E local epochs of minibatch SGD on the client's m samples;
+    sends w_start - w_end of the observed parameters (`LocalSGD`, as the text `FedAvgClient`).
+
+    Defenses as for text FedAvg: DP-SGD clips and noises every sample's gradient at every local step,
+    the others act on the delta. All U clients step in lock-step, each with its own flat copy of the
+    trained parameters: one `vmap` over clients of `grad` of the minibatch loss (per-sample gradients,
+    a nested vmap, only when DP-SGD needs them).
+
+    `dtype` sets the arithmetic of the local training. float32 is what clients run; its delta loses
+    digits to cancellation (|w| is much larger than |lr x g|: with lr = 0.01 a float32 delta keeps
+    only about 3 significant digits), which is enough to stop exact attacks that need exact zeros
+    (SPEAR). float64 gives the delta of exact arithmetic (the attack's best case).
+    """
+
+    def __init__(
+        self,
+        samples_per_update: int = 4,
+        local_epochs: int = 1,
+        minibatch_size: int = 2,
+        lr: float = 0.01,
+        momentum: float = 0.0,
+        shuffle: bool = True,
+        trainable: list[str] | None = None,
+        mode: Literal["train", "eval"] = "train",
+        dtype: Literal["float32", "float64"] = "float32",
+    ) -> None:
+        """
+        Args:
+            samples_per_update: n, the client's labelled samples (one update = one client's round).
+            local_epochs: E, passes over the n samples.
+            minibatch_size: B, samples per local step (the last minibatch of an epoch may be smaller).
+            lr: Local SGD learning rate eta.
+            momentum: Heavy-ball momentum as `torch.optim.SGD` (0: plain SGD).
+            shuffle: Reshuffle the n samples every epoch (per client); False keeps their order.
+            trainable: fnmatch patterns of parameters trained locally besides the observed ones (None:
+                exactly the observed parameters).
+            mode: `train` or `eval` mode of the target while training locally.
+            dtype: Arithmetic of the local training: `float32` (real clients) or `float64` (exact deltas).
+        """
+        super().__init__(samples_per_update, mode=mode)
+        if dtype not in ("float32", "float64"):
+            raise ValueError(f"client dtype {dtype!r} is not allowed; use 'float32' or 'float64'")
+        self._init_local_sgd(("samples_per_update", samples_per_update), local_epochs, minibatch_size, lr, momentum, shuffle)
+        self.trainable = None if trainable is None else list(trainable)
+        self.dtype = dtype
+
+    def observe(
+        self,
+        target: nn.Module,
+        names: Sequence[str],
+        inputs: Tensor,
+        labels: Tensor,
+        defense: Defense | None = None,
+        generator: torch.Generator | None = None,
+        check: FiniteCheck | None = None,
+    ) -> Tensor:
+        defense = defense or NoDefense()
+        updates, n = inputs.shape[:2]
+        if n != self.samples_per_update:
+            raise ValueError(f"batch has {n} samples per update, client expects {self.samples_per_update}")
+        if tuple(labels.shape) != (updates, n):
+            raise ValueError(f"labels must be (updates, samples) = {(updates, n)}, got {tuple(labels.shape)}")
+        dtype = getattr(torch, self.dtype)
+        params = {name: p.detach().to(dtype) for name, p in target.named_parameters()}
+        trained = list(names) + [
+            name for name in params
+            if name not in names and self.trainable is not None and any(fnmatchcase(name, p) for p in self.trainable)
+        ]
+        frozen = {name: p for name, p in params.items() if name not in trained}
+        frozen.update({name: b.to(dtype) if b.is_floating_point() else b for name, b in target.named_buffers()})
+        shapes = [(name, params[name].shape) for name in trained]
+        observed_dim = sum(params[name].numel() for name in names)
+        start = torch.cat([params[name].reshape(-1) for name in trained]).expand(updates, -1)
+        inputs = inputs.to(dtype)
+
+        def unflatten(flat: Tensor) -> dict[str, Tensor]:  # (D,) -> {name: tensor}
+            out, offset = {}, 0
+            for name, shape in shapes:
+                size = shape.numel()
+                out[name] = flat[offset : offset + size].view(shape)
+                offset += size
+            return out
+
+        def minibatch_loss(flat: Tensor, x: Tensor, y: Tensor) -> Tensor:
+            return classification_loss(functional_call(target, {**frozen, **unflatten(flat)}, (x,)), y)
+
+        def sample_loss(flat: Tensor, x: Tensor, y: Tensor) -> Tensor:
+            return minibatch_loss(flat, x.unsqueeze(0), y.unsqueeze(0))
+
+        per_sample = vmap(vmap(grad(sample_loss), in_dims=(None, 0, 0)), in_dims=(0, 0, 0), randomness="different")
+        per_batch = vmap(grad(minibatch_loss), in_dims=(0, 0, 0), randomness="different")
+
+        def step_gradient(index: Tensor, weights: Tensor | None) -> Tensor:
+            weights = start if weights is None else weights
+            x = inputs.gather(1, index.view(*index.shape, *[1] * (inputs.dim() - 2)).expand(-1, -1, *inputs.shape[2:]))
+            y = labels.gather(1, index)
+            if not defense.acts_per_step:
+                gradient = per_batch(weights, x, y)
+                if check is not None:
+                    check(gradient)
+                return gradient
+            per_example = per_sample(weights, x, y)
+            if check is not None:
+                check(per_example)
+            with torch.no_grad():
+                return defense.local_step(per_example, generator)
+
+        was_training = target.training
+        target.train(self.mode == "train")
+        try:
+            with torch.enable_grad():
+                delta = self.train_locally(start, observed_dim, step_gradient, generator)
+        finally:
+            target.train(was_training)
+        with torch.no_grad():
+            return defense.on_delta(delta.to(torch.get_default_dtype()), generator)
+
+    def __repr__(self) -> str:
+        return (f"VisionFedAvgClient(samples_per_update={self.samples_per_update}, local_epochs={self.local_epochs}, "
+                f"minibatch_size={self.minibatch_size}, lr={self.lr}, momentum={self.momentum}, mode={self.mode!r}, "
+                f"dtype={self.dtype!r})")
 
 
 class VisionUpdatePipeline(HashedObservation):
@@ -147,22 +305,12 @@ class VisionUpdatePipeline(HashedObservation):
         # copy the batch so it is not an inference tensor.
         with torch.inference_mode(False), torch.enable_grad():
             inputs, labels = inputs.clone(), labels.clone()
-            per_example = self.client.per_example_gradients(self.target, self.names, inputs, labels)
-            if not torch.isfinite(per_example.sum()) and not torch.isfinite(per_example).all():
-                bad = self._first_nonfinite_parameter(per_example)
-                raise FloatingPointError(f"non-finite client update (nan/inf) in parameter {bad!r}; check the target model and data")
+            update = self.client.observe(self.target, self.names, inputs, labels, self.defense, generator, self._check_finite)
             with torch.no_grad():
-                update = self.defense(per_example, generator)
                 features = self.hasher(update)
         return ObservedUpdates(features=features, update=update if keep_update else None)
 
-    def _first_nonfinite_parameter(self, per_example: Tensor) -> str:
-        for name, values in self.split(per_example.flatten(0, 1)).items():
-            if not torch.isfinite(values).all():
-                return name
-        return self.names[0]
-
 
 __all__ = [
-    "VisionClient", "VisionUpdatePipeline", "per_sample_gradients", "per_sample_gradients_loop", "classification_loss",
+    "VisionClient", "VisionFedAvgClient", "VisionUpdatePipeline", "per_sample_gradients", "per_sample_gradients_loop", "classification_loss",
 ]
