@@ -12,6 +12,11 @@ absolute error of continuous columns in original units for Adult, and seconds pe
 
 A row is `name` or `name:B` (B = samples per client update; for transformer3, B = 16-token sequences,
 default 1). `--prior` guides SPEAR with the server's auxiliary data (see `Spear._guided`).
+
+`--fedavg E:b:lr` makes the image/table clients FedAvg clients (`VisionFedAvgClient`: E local epochs
+over their B samples in minibatches of b, SGD with lr, the whole model trained, eval mode); SPEAR
+attacks the pseudo-gradient delta / (steps x lr). `--client-dtype float32|float64` sets the
+arithmetic of the local training (float32: what clients run; float64: exact deltas).
 """
 
 from __future__ import annotations
@@ -76,7 +81,7 @@ def text_row(args, attack, sequences=1):
 
 
 def vision_row(args, attack, dataset, batch):
-    from datamodules.vision import VisionClient, VisionUpdatePipeline, load_vision_dataset
+    from datamodules.vision import VisionClient, VisionFedAvgClient, VisionUpdatePipeline, load_vision_dataset
     from lti.targets.vision import FCNN
 
     data = load_vision_dataset(dataset)
@@ -84,8 +89,13 @@ def vision_row(args, attack, dataset, batch):
     model = FCNN(input_shape=data.input_shape, num_classes=data.num_classes, hidden=args.hidden, num_layers=args.layers)
     name = model.linear_names[0]
     layer = relu_linear_layer(model, name)
-    pipeline = VisionUpdatePipeline(model, VisionClient(samples_per_update=batch, mode="eval"),
-                                    observed=ParameterSelection(include=[f"{name}.*"]), hash_bins=64)
+    if args.fedavg:
+        epochs, minibatch, lr = args.fedavg.split(":")
+        client = VisionFedAvgClient(batch, local_epochs=int(epochs), minibatch_size=int(minibatch), lr=float(lr),
+                                    trainable=["*"], mode="eval", dtype=args.client_dtype)
+    else:
+        client = VisionClient(samples_per_update=batch, mode="eval")
+    pipeline = VisionUpdatePipeline(model, client, observed=ParameterSelection(include=[f"{name}.*"]), hash_bins=64)
     gen = torch.Generator().manual_seed(args.seed)
     # Disjoint batches while the split allows it, else independent random batches (distinct samples within each).
     if args.batches * batch <= len(split):
@@ -93,7 +103,8 @@ def vision_row(args, attack, dataset, batch):
     else:
         order = torch.stack([torch.randperm(len(split), generator=gen)[:batch] for _ in range(args.batches)])
     inputs, labels = split.inputs[order], split.labels[order]
-    parts = pipeline.split(pipeline(inputs, labels, keep_update=True).update)
+    # FedSGD: the gradient; FedAvg: the pseudo-gradient delta / (steps x lr), as the exact-attack callbacks do.
+    parts = pipeline.split(pipeline(inputs, labels, keep_update=True).update * client.gradient_scale())
     # The server's auxiliary data (the train split; the attacked updates come from the test split),
     # flattened: the first layer's inputs. Only with --prior.
     prior = data.splits["train"].inputs.reshape(len(data.splits["train"]), -1) if args.prior else None
@@ -122,7 +133,8 @@ def vision_row(args, attack, dataset, batch):
             record["discrete_acc"] = correct / total
             record["mae"] = statistics.mean(errors)
         records.append(record)
-    return f"FCNN {args.layers}x{args.hidden} `{name}`, {dataset}", batch, records
+    protocol = f", FedAvg E={client.local_epochs} b={client.minibatch_size} lr={client.lr} {client.dtype}" if args.fedavg else ""
+    return f"FCNN {args.layers}x{args.hidden} `{name}`, {dataset}{protocol}", batch, records
 
 
 def summarise(label, batch, records):
@@ -159,6 +171,10 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prior", action="store_true",
                         help="guide SPEAR with the train split as the server's auxiliary data (images/tables)")
+    parser.add_argument("--fedavg", metavar="E:b:lr", default=None,
+                        help="image/table clients run FedAvg: E local epochs, minibatches of b, learning rate lr")
+    parser.add_argument("--client-dtype", choices=["float32", "float64"], default="float32",
+                        help="arithmetic of the FedAvg clients' local training")
     parser.add_argument("--out", type=Path, default=None, help="append a markdown table here")
     args = parser.parse_args(argv)
     attack = Spear(max_samples=args.max_samples, max_seconds=args.max_seconds, seed=args.seed)

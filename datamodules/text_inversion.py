@@ -15,27 +15,15 @@ import torch
 from jsonargparse import lazy_instance
 from lightning.pytorch import LightningDataModule
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset
 
+from datamodules.client_updates import ClientUpdates
 from datamodules.federated import ClientProtocol, Defense, FedSGDClient, NoDefense, ParameterSelection, UpdatePipeline
 from datamodules.text import EmbeddedCorpus, MarginalSampler, TextCorpus, load_tokenizer, pack_blocks, pack_lines, tokenize_splits
 from datamodules.text.pseudo import load_counts, token_counts
 from lti.inverters import InversionSpec
 from lti.registry import materialize
 from lti.targets import TargetLM, Transformer3
-
-
-class UpdateSamples(Dataset):
-    """Items are client updates: (m, L) token ids and mask."""
-
-    def __init__(self, ids: Tensor, mask: Tensor) -> None:
-        self.ids, self.mask = ids, mask
-
-    def __len__(self) -> int:
-        return self.ids.shape[0]
-
-    def __getitem__(self, index: int) -> dict[str, Tensor]:
-        return {"input_ids": self.ids[index], "attention_mask": self.mask[index], "index": torch.tensor(index)}
 
 
 class PseudoUpdates(IterableDataset):
@@ -149,7 +137,7 @@ class TextInversionDataModule(LightningDataModule):
         self.batch_size, self.train_samples, self.eval_samples = batch_size, train_samples, eval_samples
         self.pseudo_batches_per_epoch, self.keep_eval_updates = pseudo_batches_per_epoch, keep_eval_updates
         self.num_workers, self.seed = num_workers, seed
-        self._splits: dict[str, UpdateSamples] | None = None
+        self._splits: dict[str, ClientUpdates] | None = None
         self._counts: Tensor | None = None
 
     # ---------------------------------------------------------------- data preparation
@@ -163,7 +151,7 @@ class TextInversionDataModule(LightningDataModule):
             return ids, torch.ones_like(ids)
         return pack_lines(tokenized, self.seq_len, self.tokenizer.pad_token_id)
 
-    def _as_updates(self, ids: Tensor, mask: Tensor, limit: int | None, shuffle: bool) -> UpdateSamples:
+    def _as_updates(self, ids: Tensor, mask: Tensor, limit: int | None, shuffle: bool) -> ClientUpdates:
         if shuffle:  # group random sequences into updates, fixed once by the seed
             order = torch.randperm(ids.shape[0], generator=torch.Generator().manual_seed(self.seed))
             ids, mask = ids[order], mask[order]
@@ -173,7 +161,7 @@ class TextInversionDataModule(LightningDataModule):
         usable = ids.shape[0] // m * m
         if usable == 0:
             raise ValueError(f"only {ids.shape[0]} samples of {self.seq_len} tokens: too few for one update of {m}")
-        return UpdateSamples(ids[:usable].view(-1, m, self.seq_len), mask[:usable].view(-1, m, self.seq_len))
+        return ClientUpdates(input_ids=ids[:usable].view(-1, m, self.seq_len), attention_mask=mask[:usable].view(-1, m, self.seq_len))
 
     def prepare_data(self) -> None:
         self.corpus.load()  # downloads (hub) or extracts (embedded) once, on one process
@@ -195,7 +183,7 @@ class TextInversionDataModule(LightningDataModule):
             load_counts(self.marginal_file, vocab) if self.marginal_file else token_counts(aux_ids, vocab, aux_mask)
         )
         aux = self._splits["auxiliary"]
-        flat = aux.ids.view(aux.ids.shape[0], -1)
+        flat = aux.fields["input_ids"].view(len(aux), -1)
         # Per-position majority token of the server's data: the attack-free baseline.
         self.majority_tokens = torch.stack(
             [torch.bincount(flat[:, p], minlength=vocab).argmax() for p in range(flat.shape[1])]
@@ -218,7 +206,7 @@ class TextInversionDataModule(LightningDataModule):
         use as a prior (never evaluation data)."""
         if self._splits is None:
             raise RuntimeError("call setup() before asking for auxiliary inputs")
-        return self._splits["auxiliary"].ids.reshape(-1, self.seq_len)[:limit]
+        return self._splits["auxiliary"].fields["input_ids"].reshape(-1, self.seq_len)[:limit]
 
     # ---------------------------------------------------------------- loaders
     def _rank(self) -> int:

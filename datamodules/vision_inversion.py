@@ -21,25 +21,13 @@ import torch
 from jsonargparse import lazy_instance
 from lightning.pytorch import LightningDataModule
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
+from datamodules.client_updates import ClientUpdates
 from datamodules.federated import Defense, NoDefense, ParameterSelection
 from datamodules.vision import VISION_DATASETS, VisionClient, VisionData, VisionUpdatePipeline, load_vision_dataset
 from lti.registry import materialize
 from lti.targets.vision import FCNN, VisionTarget
-
-
-class LabelledUpdates(Dataset):
-    """Items are client updates: m inputs, their m labels, and the update's index."""
-
-    def __init__(self, inputs: Tensor, labels: Tensor) -> None:
-        self.inputs, self.labels = inputs, labels
-
-    def __len__(self) -> int:
-        return self.inputs.shape[0]
-
-    def __getitem__(self, index: int) -> dict[str, Tensor]:
-        return {"inputs": self.inputs[index], "labels": self.labels[index], "index": torch.tensor(index)}
 
 
 class ImageInversionDataModule(LightningDataModule):
@@ -113,7 +101,7 @@ class ImageInversionDataModule(LightningDataModule):
         self.batch_size, self.train_samples, self.eval_samples = batch_size, train_samples, eval_samples
         self.keep_eval_updates, self.num_workers, self.seed = keep_eval_updates, num_workers, seed
         self.data: VisionData | None = None
-        self._splits: dict[str, LabelledUpdates] | None = None
+        self._splits: dict[str, ClientUpdates] | None = None
 
     # ---------------------------------------------------------------- data preparation
     @property
@@ -134,10 +122,10 @@ class ImageInversionDataModule(LightningDataModule):
         an exact attack may use as a prior (never evaluation data)."""
         if self._splits is None:
             raise RuntimeError("call setup() before asking for auxiliary inputs")
-        inputs = self._splits["train"].inputs
+        inputs = self._splits["train"].fields["inputs"]
         return inputs.reshape(-1, *inputs.shape[2:])[:limit]
 
-    def _as_updates(self, inputs: Tensor, labels: Tensor, limit: int | None, shuffle: bool) -> LabelledUpdates:
+    def _as_updates(self, inputs: Tensor, labels: Tensor, limit: int | None, shuffle: bool) -> ClientUpdates:
         if shuffle:  # group random samples into updates, fixed once by the seed
             order = torch.randperm(labels.shape[0], generator=torch.Generator().manual_seed(self.seed))
             inputs, labels = inputs[order], labels[order]
@@ -147,7 +135,7 @@ class ImageInversionDataModule(LightningDataModule):
         usable = labels.shape[0] // m * m
         if usable == 0:
             raise ValueError(f"only {labels.shape[0]} samples: too few for one update of {m}")
-        return LabelledUpdates(inputs[:usable].view(-1, m, *inputs.shape[1:]), labels[:usable].view(-1, m))
+        return ClientUpdates(inputs=inputs[:usable].view(-1, m, *inputs.shape[1:]), labels=labels[:usable].view(-1, m))
 
     def prepare_data(self) -> None:
         if self.dataset_name == "cifar10":

@@ -118,7 +118,7 @@ def test_auxiliary_inputs_are_the_servers_sequences(corpus_files):
     dm.setup()
     aux = dm.auxiliary_inputs(3)
     assert aux.shape == (3, 8)
-    assert torch.equal(aux, dm._splits["auxiliary"].ids.reshape(-1, 8)[:3])
+    assert torch.equal(aux, dm._splits["auxiliary"].fields["input_ids"].reshape(-1, 8)[:3])
     # Only auxiliary text: no held-out (evaluation) line among them.
     assert not any(text.startswith("Held out") for text in dm.decode(dm.auxiliary_inputs(10_000)))
 

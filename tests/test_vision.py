@@ -269,8 +269,8 @@ def test_auxiliary_inputs_come_from_the_servers_split_never_the_clients():
     aux = data.auxiliary_inputs(10)
     assert aux.shape == (10, 1, 8, 8)
     assert data.auxiliary_inputs(1000).shape == (40, 1, 8, 8)  # all of the (limited) auxiliary data
-    train = data._splits["train"].inputs.reshape(-1, 1, 8, 8)
-    evaluation = data._splits["test"].inputs.reshape(-1, 1, 8, 8)
+    train = data._splits["train"].fields["inputs"].reshape(-1, 1, 8, 8)
+    evaluation = data._splits["test"].fields["inputs"].reshape(-1, 1, 8, 8)
     assert torch.equal(aux, train[:10])
     # No auxiliary image is one of the clients' evaluation images.
     assert not (aux.reshape(10, 1, -1) == evaluation.reshape(1, evaluation.shape[0], -1)).all(-1).any()
