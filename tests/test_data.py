@@ -133,3 +133,17 @@ def test_datamodule_rejects_bad_settings(corpus_files):
     small_vocab = Transformer3(vocab_size=1000, hidden_size=16, num_heads=2, ffn_size=16, num_layers=1, max_positions=8)
     with pytest.raises(ValueError, match="tokenizer 'embedded-gpt2' has 50257 tokens but the target model's vocabulary has 1000"):
         TextInversionDataModule(target=small_vocab, seq_len=8)
+
+
+def test_client_updates_serve_one_row_of_every_field_and_reject_mismatched_fields():
+    from datamodules.client_updates import ClientUpdates
+
+    updates = ClientUpdates(inputs=torch.arange(12.0).view(3, 2, 2), labels=torch.tensor([[0, 1], [2, 3], [4, 5]]))
+    item = updates[1]
+    assert len(updates) == 3 and set(item) == {"inputs", "labels", "index"}
+    assert torch.equal(item["inputs"], torch.tensor([[4.0, 5.0], [6.0, 7.0]])) and item["labels"].tolist() == [2, 3]
+    assert int(item["index"]) == 1
+    with pytest.raises(ValueError, match="share their first"):
+        ClientUpdates(inputs=torch.zeros(3, 2), labels=torch.zeros(4))
+    with pytest.raises(ValueError, match="share their first"):
+        ClientUpdates()
