@@ -204,6 +204,8 @@ def run_cell(grid: Grid, protocol: Entry, defense: Entry, attack: Entry, inline:
                 _run_lti(args, inline, log)
             result = json.loads((folder / "run" / "test_metrics.json").read_text())
         except (Exception, SystemExit) as error:  # noqa: BLE001 - one failed cell must not stop the grid
+            if type(error).__name__ == "SIGTERMException":
+                raise  # the grid was stopped (Lightning turns SIGTERM into this): not the cell's failure
             tail = (folder / "log.txt").read_text().strip().splitlines()[-1:] if not inline else []
             reason = tail[0] if tail else f"{type(error).__name__}: {error}"
             return {**record, "status": "failed", "reason": reason[:300],

@@ -172,3 +172,20 @@ def test_resume_from_an_earlier_table_under_another_out_dir(grid_file, tmp_path,
     with pytest.raises(SystemExit) as exit_info:
         main(["--grid", str(grid_file), "--resume_from", str(tmp_path / "none.json")])
     assert exit_info.value.code == 2 and "does not exist" in capsys.readouterr().err
+
+
+def test_a_stopped_grid_records_no_failed_cell(grid_file, monkeypatch):
+    """Lightning turns SIGTERM into SIGTERMException (a SystemExit): the grid stops, and the cell it was
+    running is not written as failed (a rerun runs it again)."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    import lti.matrix as matrix
+
+    def stopped(args, inline, log):
+        raise SIGTERMException()
+
+    monkeypatch.setattr(matrix, "_run_lti", stopped)
+    grid = load_grid(grid_file)
+    with pytest.raises(SIGTERMException):
+        run_grid(grid, inline=True, only={"attack": ["dager"]}, echo=lambda _: None)
+    assert not list(grid.out_dir.glob("cells/*/cell.json"))
