@@ -130,9 +130,20 @@ def cell_id(protocol: Entry, defense: Entry, attack: Entry) -> str:
     return f"{protocol.name}__{defense.name}__{attack.name}"
 
 
+def cell_folder(grid: Grid, protocol: Entry, defense: Entry, attack: Entry) -> Path:
+    """Where one cell's run, checkpoint, log and `cell.json` record live."""
+    return grid.out_dir / "cells" / cell_id(protocol, defense, attack)
+
+
+def _save_record(grid: Grid, cell: tuple[Entry, Entry, Entry], record: dict) -> None:
+    path = cell_folder(grid, *cell) / "cell.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n")
+
+
 def cell_commands(grid: Grid, protocol: Entry, defense: Entry, attack: Entry) -> list[list[str]]:
     """The `lti` argument lists that make one cell: [fit, test] for learned attacks, [test] for exact ones."""
-    folder = grid.out_dir / "cells" / cell_id(protocol, defense, attack)
+    folder = cell_folder(grid, protocol, defense, attack)
     configs = [c for entry in (protocol, defense, attack) for c in entry.configs]
     args = [a for c in [*grid.base, *configs] for a in ("--config", c)]
     overrides = {
@@ -153,7 +164,7 @@ def cell_commands(grid: Grid, protocol: Entry, defense: Entry, attack: Entry) ->
 def cell_fingerprint(grid: Grid, protocol: Entry, defense: Entry, attack: Entry) -> str:
     """A digest of the cell's arguments. The cell's own folder is left out, so a table made under one
     out_dir still counts under another (`--resume_from`)."""
-    folder = str(grid.out_dir / "cells" / cell_id(protocol, defense, attack))
+    folder = str(cell_folder(grid, protocol, defense, attack))
     commands = [[a.replace(folder, "{cell}") for a in c] for c in cell_commands(grid, protocol, defense, attack)]
     return hashlib.sha256(json.dumps(commands).encode()).hexdigest()[:16]
 
@@ -187,7 +198,7 @@ def _run_lti(args: list[str], inline: bool, log) -> None:
 
 
 def run_cell(grid: Grid, protocol: Entry, defense: Entry, attack: Entry, inline: bool = False) -> dict:
-    folder = grid.out_dir / "cells" / cell_id(protocol, defense, attack)
+    folder = cell_folder(grid, protocol, defense, attack)
     folder.mkdir(parents=True, exist_ok=True)
     record: dict[str, Any] = {"protocol": protocol.name, "defense": defense.name, "attack": attack.name,
                               "kind": attack.kind, "noise": defense.noise}
@@ -249,9 +260,7 @@ def run_grid(grid: Grid, inline: bool = False, only: dict[str, list[str]] | None
             continue
         echo(f"{name}: running ...")
         record = run_cell(grid, protocol, defense, attack, inline=inline)
-        path = grid.out_dir / "cells" / cell_id(protocol, defense, attack) / "cell.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(record, indent=2) + "\n")
+        _save_record(grid, (protocol, defense, attack), record)
         echo(f"{name}: {_summary(record)}")
     records = [r for r in (_finished(grid, *c, failed_too=True) for c in grid.cells()) if r is not None]
     write_outputs(grid, records)
@@ -278,18 +287,16 @@ def import_records(grid: Grid, table: str | Path) -> int:
             continue
         if record.get("fingerprint") != cell_fingerprint(grid, *cells[key]):
             continue  # made with other arguments: the cell runs again
-        path = grid.out_dir / "cells" / key / "cell.json"
-        if path.is_file():
+        if (cell_folder(grid, *cells[key]) / "cell.json").is_file():
             continue
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(record, indent=2) + "\n")
+        _save_record(grid, cells[key], record)
         imported += 1
     return imported
 
 
 def _finished(grid: Grid, protocol: Entry, defense: Entry, attack: Entry, failed_too: bool = False) -> dict | None:
     """The cell's stored record if it was made with the cell's current arguments (else None)."""
-    path = grid.out_dir / "cells" / cell_id(protocol, defense, attack) / "cell.json"
+    path = cell_folder(grid, protocol, defense, attack) / "cell.json"
     if not path.is_file():
         return None
     record = json.loads(path.read_text())

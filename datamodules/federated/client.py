@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
 from datamodules.federated.defenses import Defense, NoDefense
+from datamodules.federated.local_sgd import SingleStep
 from datamodules.federated.observed import ParameterSelection
 from datamodules.federated.transformer3_grads import engine_supports, transformer3_per_example_gradients
 from lti.targets.base import TargetLM, next_token_loss
@@ -285,13 +286,14 @@ def model_mode(target: nn.Module, mode: str):
         target.train(was_training)
 
 
-class ClientProtocol(CLIENT_PROTOCOLS.base(), ABC):
+class ClientProtocol(CLIENT_PROTOCOLS.base(), ABC, SingleStep):
     """How a client computes what it sends (FedSGD gradient, FedAvg weight delta, LoRA adapters ...).
 
     The pipeline calls `prepare(target)` once (LoRA injects its adapters there), resolves the observed
     parameters with `observed_names`, and per batch calls `observe`, which returns the *defended*
     updates: the protocol decides where the defense acts (FedSGD: on the per-sequence gradients;
-    FedAvg: DP-SGD on every local step, the other defenses on the delta it sends).
+    FedAvg: DP-SGD on every local step, the other defenses on the delta it sends). Step counts for
+    the accountant and the exact attacks: `SingleStep` (FedSGD) unless the protocol overrides them.
     """
 
     name: ClassVar[str]
@@ -327,20 +329,6 @@ class ClientProtocol(CLIENT_PROTOCOLS.base(), ABC):
         `trainable`: parameters the client trains locally (default: the protocol's own choice);
         only protocols with several local steps care.
         """
-
-    def privacy_steps(self) -> tuple[int, float]:
-        """(noisy steps, sample rate) of DP-SGD on one client, for the accountant."""
-        return 1, 1.0
-
-    def local_steps(self) -> int:
-        """Optimiser steps between the global weights and the update sent (1 for FedSGD)."""
-        return 1
-
-    def gradient_scale(self) -> float:
-        """Factor turning a sent update into a pseudo-gradient (the mean gradient of the local steps):
-        1 for FedSGD; 1 / (steps * lr) for a weight delta, which is lr times the sum of the steps'
-        gradients (DAGER's FedAvg setting). Exact attacks run on update * gradient_scale()."""
-        return 1.0
 
     def describe(self) -> dict:
         """JSON-safe summary (saved with checkpoints and results)."""

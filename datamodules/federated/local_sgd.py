@@ -1,6 +1,7 @@
-"""The FedAvg client's local training schedule, shared by the text and the vision clients. No Lightning.
+"""Client step schedules, shared by the text and the vision clients. No Lightning.
 
-A FedAvg client runs E local epochs over its n samples in minibatches of B (the last minibatch of an
+`SingleStep` is FedSGD's: the update is one gradient. `LocalSGD` is FedAvg's:
+a FedAvg client runs E local epochs over its n samples in minibatches of B (the last minibatch of an
 epoch may be smaller), SGD with learning rate eta and optional heavy-ball momentum (as
 `torch.optim.SGD`), and sends w_start - w_end. `LocalSGD` holds that schedule and the lock-step loop
 over all U clients of a batch (each with its own flat copy of the trained parameters); the protocol
@@ -10,19 +11,39 @@ supplies one function: the gradient of every client's current minibatch at its c
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from fnmatch import fnmatchcase
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 #: (minibatch indices (U, b) into each client's n samples, client weights (U, D) or None = the global
 #: weights) -> (U, D) gradients, after any per-step defense (DP-SGD).
 StepGradient = Callable[[Tensor, "Tensor | None"], Tensor]
 
 
-class LocalSGD:
+class SingleStep:
+    """Mixin: the step counts of a client that sends one gradient (FedSGD)."""
+
+    def privacy_steps(self) -> tuple[int, float]:
+        """(noisy steps, sample rate) of DP-SGD on one client, for the accountant."""
+        return 1, 1.0
+
+    def local_steps(self) -> int:
+        """Optimiser steps between the global weights and the update sent (1 for FedSGD)."""
+        return 1
+
+    def gradient_scale(self) -> float:
+        """Factor turning a sent update into a pseudo-gradient (the mean gradient of the local steps):
+        1 for FedSGD; 1 / (steps * lr) for a weight delta, which is lr times the sum of the steps'
+        gradients (DAGER's FedAvg setting). Exact attacks run on update * gradient_scale()."""
+        return 1.0
+
+
+class LocalSGD(SingleStep):
     """Mixin: E epochs of minibatch SGD on the client's n samples; the delta w_start - w_end."""
 
+    trainable: list[str] | None
     local_epochs: int
     minibatch_size: int
     lr: float
@@ -30,7 +51,8 @@ class LocalSGD:
     shuffle: bool
 
     def _init_local_sgd(
-        self, samples: tuple[str, int], local_epochs: int, minibatch_size: int, lr: float, momentum: float, shuffle: bool
+        self, samples: tuple[str, int], local_epochs: int, minibatch_size: int, lr: float, momentum: float, shuffle: bool,
+        trainable: Sequence[str] | None,
     ) -> None:
         """Validates and stores the schedule; `samples` is (the protocol's name for n, n)."""
         for key, value in (samples, ("local_epochs", local_epochs), ("minibatch_size", minibatch_size)):
@@ -46,6 +68,21 @@ class LocalSGD:
         self.lr = float(lr)
         self.momentum = float(momentum)
         self.shuffle = bool(shuffle)
+        self.trainable = None if trainable is None else list(trainable)
+
+    def trained_names(self, target: nn.Module, names: Sequence[str], trainable: Sequence[str] | None = None) -> list[str]:
+        """Observed names first (their delta is sent), then the other parameters the client trains:
+        `trainable` names if given, else those matching the client's `trainable` patterns."""
+        if trainable is not None:
+            extra = [n for n in trainable if n not in names]
+        elif self.trainable is not None:
+            extra = [
+                n for n, _ in target.named_parameters()
+                if n not in names and any(fnmatchcase(n, p) for p in self.trainable)
+            ]
+        else:
+            extra = []
+        return list(names) + extra
 
     @property
     def steps_per_epoch(self) -> int:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from fnmatch import fnmatchcase
 from typing import Literal
 
 import torch
@@ -90,22 +89,8 @@ class FedAvgClient(LocalSGD, ClientProtocol):  # LocalSGD first: its step counts
             raise ValueError(f"client implementation {implementation!r} is not allowed; use 'vmap' or 'loop'")
         self.mode = mode
         self.sequences_per_update = sequences_per_update
-        self._init_local_sgd(("sequences_per_update", sequences_per_update), local_epochs, minibatch_size, lr, momentum, shuffle)
-        self.trainable = None if trainable is None else list(trainable)
+        self._init_local_sgd(("sequences_per_update", sequences_per_update), local_epochs, minibatch_size, lr, momentum, shuffle, trainable)
         self.implementation = implementation
-
-    def trained_names(self, target: nn.Module, names: Sequence[str], trainable: Sequence[str] | None = None) -> list[str]:
-        """Observed names first (their delta is sent), then the other parameters the client trains."""
-        if trainable is not None:
-            extra = [n for n in trainable if n not in names]
-        elif self.trainable is not None:
-            extra = [
-                n for n, _ in target.named_parameters()
-                if n not in names and any(fnmatchcase(n, p) for p in self.trainable)
-            ]
-        else:
-            extra = []
-        return list(names) + extra
 
     def _step_gradient(
         self, target, names, ids, mask, weights, defense: Defense, generator, check: FiniteCheck

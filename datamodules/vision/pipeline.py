@@ -13,16 +13,15 @@ with the same interface as the text `UpdatePipeline` (`.target`, `.spec`, `.name
 from __future__ import annotations
 
 from collections.abc import Sequence
-from fnmatch import fnmatchcase
 from typing import Literal
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
-from datamodules.federated.client import FiniteCheck
+from datamodules.federated.client import FiniteCheck, model_mode
 from datamodules.federated.defenses import Defense, NoDefense
-from datamodules.federated.local_sgd import LocalSGD
+from datamodules.federated.local_sgd import LocalSGD, SingleStep
 from datamodules.federated.observed import ParameterSelection
 from datamodules.federated.pipeline import HashedObservation, ObservedUpdates
 from lti.targets.vision import VisionTarget
@@ -60,7 +59,7 @@ def per_sample_gradients(target: nn.Module, names: Sequence[str], inputs: Tensor
     return torch.cat([grads[name].reshape(inputs.shape[0], -1) for name in names], dim=1)
 
 
-class VisionClient:
+class VisionClient(SingleStep):
     """A FedSGD client of an image/table classifier: the update is its mean cross-entropy gradient over m samples."""
 
     def __init__(
@@ -87,35 +86,23 @@ class VisionClient:
     def sequences_per_update(self) -> int:  # the text client's name, for code that reads either
         return self.samples_per_update
 
-    def per_example_gradients(self, target: nn.Module, names: Sequence[str], inputs: Tensor, labels: Tensor) -> Tensor:
-        """(U, m, *input_shape) inputs and (U, m) labels -> (U, m, D) per-sample gradients."""
+    def _check_batch(self, inputs: Tensor, labels: Tensor) -> tuple[int, int]:
+        """(U, m) of a batch of (U, m, ...) inputs with (U, m) labels; raises when m is not the client's."""
         updates, per_update = inputs.shape[:2]
         if per_update != self.samples_per_update:
             raise ValueError(f"batch has {per_update} samples per update, client expects {self.samples_per_update}")
         if tuple(labels.shape) != (updates, per_update):
             raise ValueError(f"labels must be (updates, samples) = {(updates, per_update)}, got {tuple(labels.shape)}")
+        return updates, per_update
+
+    def per_example_gradients(self, target: nn.Module, names: Sequence[str], inputs: Tensor, labels: Tensor) -> Tensor:
+        """(U, m, *input_shape) inputs and (U, m) labels -> (U, m, D) per-sample gradients."""
+        updates, per_update = self._check_batch(inputs, labels)
         flat = inputs.reshape(updates * per_update, *inputs.shape[2:])
-        was_training = target.training
-        target.train(self.mode == "train")
-        try:
-            with torch.enable_grad():
-                fn = per_sample_gradients if self.implementation == "vmap" else per_sample_gradients_loop
-                grads = fn(target, names, flat, labels.reshape(-1))
-        finally:
-            target.train(was_training)
+        with model_mode(target, self.mode), torch.enable_grad():
+            fn = per_sample_gradients if self.implementation == "vmap" else per_sample_gradients_loop
+            grads = fn(target, names, flat, labels.reshape(-1))
         return grads.view(updates, per_update, -1)
-
-    def local_steps(self) -> int:
-        """Optimiser steps between the global weights and the update (FedSGD: 1)."""
-        return 1
-
-    def gradient_scale(self) -> float:
-        """Update -> pseudo-gradient factor for exact attacks (FedSGD: the update is the gradient)."""
-        return 1.0
-
-    def privacy_steps(self) -> tuple[int, float]:
-        """(noisy steps, sample rate) of DP-SGD on one client, for the accountant."""
-        return 1, 1.0
 
     def observe(
         self,
@@ -182,8 +169,7 @@ class VisionFedAvgClient(LocalSGD, VisionClient):
         super().__init__(samples_per_update, mode=mode)
         if dtype not in ("float32", "float64"):
             raise ValueError(f"client dtype {dtype!r} is not allowed; use 'float32' or 'float64'")
-        self._init_local_sgd(("samples_per_update", samples_per_update), local_epochs, minibatch_size, lr, momentum, shuffle)
-        self.trainable = None if trainable is None else list(trainable)
+        self._init_local_sgd(("samples_per_update", samples_per_update), local_epochs, minibatch_size, lr, momentum, shuffle, trainable)
         self.dtype = dtype
 
     def observe(
@@ -197,17 +183,10 @@ class VisionFedAvgClient(LocalSGD, VisionClient):
         check: FiniteCheck | None = None,
     ) -> Tensor:
         defense = defense or NoDefense()
-        updates, n = inputs.shape[:2]
-        if n != self.samples_per_update:
-            raise ValueError(f"batch has {n} samples per update, client expects {self.samples_per_update}")
-        if tuple(labels.shape) != (updates, n):
-            raise ValueError(f"labels must be (updates, samples) = {(updates, n)}, got {tuple(labels.shape)}")
+        updates, _ = self._check_batch(inputs, labels)
         dtype = getattr(torch, self.dtype)
         params = {name: p.detach().to(dtype) for name, p in target.named_parameters()}
-        trained = list(names) + [
-            name for name in params
-            if name not in names and self.trainable is not None and any(fnmatchcase(name, p) for p in self.trainable)
-        ]
+        trained = self.trained_names(target, names)
         frozen = {name: p for name, p in params.items() if name not in trained}
         frozen.update({name: b.to(dtype) if b.is_floating_point() else b for name, b in target.named_buffers()})
         shapes = [(name, params[name].shape) for name in trained]
@@ -247,13 +226,8 @@ class VisionFedAvgClient(LocalSGD, VisionClient):
             with torch.no_grad():
                 return defense.local_step(per_example, generator)
 
-        was_training = target.training
-        target.train(self.mode == "train")
-        try:
-            with torch.enable_grad():
-                delta = self.train_locally(start, observed_dim, step_gradient, generator)
-        finally:
-            target.train(was_training)
+        with model_mode(target, self.mode), torch.enable_grad():
+            delta = self.train_locally(start, observed_dim, step_gradient, generator)
         with torch.no_grad():
             return defense.on_delta(delta.to(torch.get_default_dtype()), generator)
 
