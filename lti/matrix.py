@@ -258,7 +258,9 @@ def run_grid(grid: Grid, inline: bool = False, only: dict[str, list[str]] | None
         if _finished(grid, protocol, defense, attack) is not None:
             echo(f"{name}: done before, skipped")
             continue
-        echo(f"{name}: running ...")
+        finished = [r for r in (_finished(grid, *c) for c in grid.cells()) if r is not None]
+        pending = [c for c in cells[number - 1 :] if _finished(grid, *c) is None]
+        echo(f"{name}: running ...{_eta_text(estimate_remaining(finished, pending))}")
         record = run_cell(grid, protocol, defense, attack, inline=inline)
         _save_record(grid, (protocol, defense, attack), record)
         echo(f"{name}: {_summary(record)}")
@@ -303,6 +305,40 @@ def _finished(grid: Grid, protocol: Entry, defense: Entry, attack: Entry, failed
     if record.get("fingerprint") != cell_fingerprint(grid, protocol, defense, attack):
         return None
     return record if failed_too or record.get("status") in ("ok", "n/a") else None
+
+
+def estimate_remaining(finished: list[dict], pending: list[tuple[Entry, Entry, Entry]]) -> tuple[float, int]:
+    """(seconds, cells without an estimate) for the pending cells, from the finished cells' times.
+
+    A pending cell is expected to take the mean time of the finished cells with its protocol and
+    attack kind (a FedAvg learned cell costs several FedSGD ones), else of its attack kind; cells
+    with neither, and cells that will be "n/a", count as unknown and free respectively.
+    """
+    times: dict[tuple[str, str], list[float]] = {}
+    for record in finished:
+        if record.get("status") == "ok" and record.get("seconds") is not None:
+            for key in ((record["protocol"], record["kind"]), ("*", record["kind"])):
+                times.setdefault(key, []).append(float(record["seconds"]))
+    total, unknown = 0.0, 0
+    for protocol, defense, attack in pending:
+        if attack.not_applicable.get(protocol.name) or attack.not_applicable.get(defense.name):
+            continue
+        seen = times.get((protocol.name, attack.kind)) or times.get(("*", attack.kind))
+        if seen:
+            total += sum(seen) / len(seen)
+        else:
+            unknown += 1
+    return total, unknown
+
+
+def _eta_text(estimate: tuple[float, int]) -> str:
+    seconds, unknown = estimate
+    if not seconds:
+        return ""
+    minutes = round(seconds / 60)
+    text = f"{minutes // 60} h {minutes % 60:02d} min" if minutes >= 60 else f"{max(minutes, 1)} min"
+    more = f" plus {unknown} cell{'s' * (unknown != 1)} never timed" if unknown else ""
+    return f" (grid: about {text} left{more}, from the finished cells' times)"
 
 
 def _summary(record: dict) -> str:

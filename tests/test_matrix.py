@@ -189,3 +189,26 @@ def test_a_stopped_grid_records_no_failed_cell(grid_file, monkeypatch):
     with pytest.raises(SIGTERMException):
         run_grid(grid, inline=True, only={"attack": ["dager"]}, echo=lambda _: None)
     assert not list(grid.out_dir.glob("cells/*/cell.json"))
+
+
+def test_remaining_time_is_estimated_from_finished_cells_of_the_same_protocol_and_kind():
+    from lti.matrix import Entry, _eta_text, estimate_remaining
+
+    fedsgd, fedavg, lora = Entry("fedsgd"), Entry("fedavg"), Entry("lora")
+    none = Entry("none")
+    lti, dager = Entry("lti"), Entry("dager", kind="exact", not_applicable={"lora": "no attention gradient"})
+    finished = [
+        {"protocol": "fedsgd", "kind": "learned", "status": "ok", "seconds": 100.0},
+        {"protocol": "fedsgd", "kind": "learned", "status": "ok", "seconds": 60.0},
+        {"protocol": "fedavg", "kind": "learned", "status": "ok", "seconds": 500.0},
+        {"protocol": "fedavg", "kind": "learned", "status": "failed", "seconds": 1.0},  # not a timing
+        {"protocol": "fedavg", "kind": "exact", "status": "n/a"},
+    ]
+    # FedAvg learned: its protocol's mean (500); LoRA learned: no LoRA timing, so every learned cell's
+    # mean ((100 + 60 + 500) / 3 = 220); FedSGD DAGER: no exact timing at all; LoRA DAGER: n/a, free.
+    pending = [(fedavg, none, lti), (lora, none, lti), (fedsgd, none, dager), (lora, none, dager)]
+    seconds, unknown = estimate_remaining(finished, pending)
+    assert seconds == pytest.approx(500.0 + 220.0) and unknown == 1
+    assert _eta_text((seconds, unknown)) == " (grid: about 12 min left plus 1 cell never timed, from the finished cells' times)"
+    assert _eta_text((4000.0, 0)) == " (grid: about 1 h 07 min left, from the finished cells' times)"
+    assert _eta_text((0.0, 3)) == ""
