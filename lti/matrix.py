@@ -54,6 +54,9 @@ class Entry:
     not_applicable: dict[str, str] = field(default_factory=dict)
     # Defenses only: the noise level on the privacy-utility plot's x axis.
     noise: float | None = None
+    # Attacks only: the metric of the attack's protocol x defense table in matrix.md (SPEAR reports
+    # rows recovered, not tokens).
+    headline: str = "token_acc"
 
 
 @dataclass
@@ -70,7 +73,7 @@ class Grid:
         return [(p, d, a) for p in self.protocols for d in self.defenses for a in self.attacks]
 
 
-_ENTRY_KEYS = {"configs", "overrides", "kind", "metrics_prefix", "extra_metrics", "not_applicable", "noise"}
+_ENTRY_KEYS = {"configs", "overrides", "kind", "metrics_prefix", "extra_metrics", "not_applicable", "noise", "headline"}
 
 
 def _entries(raw: Any, axis: str, source: Path) -> list[Entry]:
@@ -89,6 +92,9 @@ def _entries(raw: Any, axis: str, source: Path) -> list[Entry]:
             raise ValueError(f"grid {source}: name {entry.name!r} may not contain '__' or '/'")
         if entry.kind not in KINDS:
             raise ValueError(f"grid {source}: {axis}.{name}.kind={entry.kind!r}; use one of {list(KINDS)}")
+        if entry.headline not in (*METRICS, *entry.extra_metrics):
+            raise ValueError(f"grid {source}: {axis}.{name}.headline={entry.headline!r} is not one of its metrics "
+                             f"{[*METRICS, *entry.extra_metrics]}")
         entries.append(entry)
     return entries
 
@@ -394,7 +400,27 @@ def markdown_table(grid: Grid, records: list[dict]) -> str:
             lines.append(f"| {p.name} | {d.name} | {'' if eps is None else f'{eps:.3g}'} | "
                          + " | ".join(_cell_text(r) for r in row)
                          + f" | {'' if base is None else f'{100 * base:.1f}'} |")
+    for attack in (a for a in grid.attacks if a.name in attacks):
+        lines += ["", *headline_table(grid, attack, by_key)]
     return "\n".join(lines) + "\n"
+
+
+def headline_table(grid: Grid, attack: Entry, by_key: dict[tuple[str, str, str], dict]) -> list[str]:
+    """One attack's headline metric (%) as protocols x defenses: blank = not run yet."""
+    defenses = [d.name for d in grid.defenses]
+    lines = [f"**{attack.name}: {attack.headline} (%)**", "",
+             "| protocol | " + " | ".join(defenses) + " |", "|---|" + "---|" * len(defenses)]
+    for p in grid.protocols:
+        row = [by_key.get((p.name, d, attack.name)) for d in defenses]
+        if not any(row):
+            continue
+        texts = []
+        for record in row:
+            value = None if record is None else (record.get("metrics") or {}).get(attack.headline)
+            texts.append("" if record is None else f"{100 * value:.1f}" if value is not None
+                         else "n/a" if record["status"] == "n/a" else record["status"] if record["status"] != "ok" else "-")
+        lines.append(f"| {p.name} | " + " | ".join(texts) + " |")
+    return lines
 
 
 def write_plots(grid: Grid, records: list[dict]) -> list[Path]:

@@ -2,6 +2,7 @@
 
 import csv
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -101,6 +102,7 @@ def test_cells_stack_configs_in_order_and_isolate_outputs(grid_file):
     [
         ({"attacks": {"x": {"kind": "magic"}}}, "kind='magic'"),
         ({"attacks": {"x": {"colour": 1}}}, "unknown keys ['colour']"),
+        ({"attacks": {"x": {"headline": "cosine"}}}, "headline='cosine' is not one of its metrics"),
         ({"defenses": {"a__b": None}}, "may not contain '__'"),
         ({"protocols": {"p": "/no/such.yaml"}}, "'/no/such.yaml' (p) does not exist"),
         ({"protocols": {}}, "'protocols' must be a non-empty mapping"),
@@ -212,3 +214,27 @@ def test_remaining_time_is_estimated_from_finished_cells_of_the_same_protocol_an
     assert _eta_text((seconds, unknown)) == " (grid: about 12 min left plus 1 cell never timed, from the finished cells' times)"
     assert _eta_text((4000.0, 0)) == " (grid: about 1 h 07 min left, from the finished cells' times)"
     assert _eta_text((0.0, 3)) == ""
+
+
+def test_markdown_has_one_protocol_by_defense_table_per_attack_with_its_headline_metric():
+    from lti.matrix import Entry, Grid, markdown_table
+
+    spear = Entry("spear", kind="exact", extra_metrics=["rows_recovered"], headline="rows_recovered",
+                  not_applicable={"lora": "no ReLU layer observed"})
+    grid = Grid(out_dir=Path("unused"), base=[], overrides={}, attacks=[Entry("lti"), spear],
+                defenses=[Entry("none"), Entry("sign")], protocols=[Entry("fedsgd"), Entry("lora")], wandb={})
+    ok = lambda protocol, defense, attack, **metrics: {
+        "protocol": protocol, "defense": defense, "attack": attack, "status": "ok", "metrics": metrics}
+    records = [
+        ok("fedsgd", "none", "lti", token_acc=0.25, rouge1=0.3),
+        {"protocol": "fedsgd", "defense": "sign", "attack": "lti", "status": "failed", "reason": "boom"},
+        ok("fedsgd", "none", "spear", token_acc=None, rouge1=None, rows_recovered=1.0),
+        ok("fedsgd", "sign", "spear", token_acc=None, rouge1=None, rows_recovered=0.0),
+        {"protocol": "lora", "defense": "none", "attack": "spear", "status": "n/a", "reason": "no ReLU layer observed"},
+        # lora x sign x spear and every lora lti cell: not run yet (blank; the lti table has no lora row).
+    ]
+    text = markdown_table(grid, records)
+    lti_table = text[text.index("**lti: token_acc (%)**"):text.index("**spear")].strip().splitlines()
+    assert lti_table[2:] == ["| protocol | none | sign |", "|---|---|---|", "| fedsgd | 25.0 | failed |"]
+    spear_table = text[text.index("**spear: rows_recovered (%)**"):].strip().splitlines()
+    assert spear_table[2:] == ["| protocol | none | sign |", "|---|---|---|", "| fedsgd | 100.0 | 0.0 |", "| lora | n/a |  |"]
