@@ -239,13 +239,9 @@ def run_cell(grid: Grid, protocol: Entry, defense: Entry, attack: Entry, inline:
 # The grid
 
 
-def run_grid(grid: Grid, inline: bool = False, only: dict[str, list[str]] | None = None, echo=print) -> list[dict]:
-    """Runs (or resumes) the selected cells and writes the tables and plots.
-
-    `only` restricts the run to some names per axis, e.g. {"attack": ["dager"], "protocol": [...]}.
-    The tables cover every cell of the grid finished so far (this run or earlier ones), so a large
-    grid can be filled in slices. Returns those records.
-    """
+def select_cells(grid: Grid, only: dict[str, list[str]] | None = None) -> list[tuple[Entry, Entry, Entry]]:
+    """The grid's cells, restricted to some names per axis, e.g. {"attack": ["dager"], "protocol": [...]}
+    (an empty or missing list keeps the whole axis)."""
     only = {axis: set(names) for axis, names in (only or {}).items() if names}
     unknown = set(only) - {"protocol", "defense", "attack"}
     if unknown:
@@ -254,11 +250,17 @@ def run_grid(grid: Grid, inline: bool = False, only: dict[str, list[str]] | None
         known = {e.name for e in getattr(grid, f"{axis}s")}
         if names - known:
             raise ValueError(f"unknown {axis} {sorted(names - known)}; the grid has {sorted(known)}")
+    return [cell for cell in grid.cells()
+            if all(entry.name in only.get(axis, {entry.name}) for axis, entry in zip(("protocol", "defense", "attack"), cell))]
 
-    def selected(cell: tuple[Entry, Entry, Entry]) -> bool:
-        return all(entry.name in only.get(axis, {entry.name}) for axis, entry in zip(("protocol", "defense", "attack"), cell))
 
-    cells = [c for c in grid.cells() if selected(c)]
+def run_grid(grid: Grid, inline: bool = False, only: dict[str, list[str]] | None = None, echo=print) -> list[dict]:
+    """Runs (or resumes) the selected cells (`select_cells`) and writes the tables and plots.
+
+    The tables cover every cell of the grid finished so far (this run or earlier ones), so a large
+    grid can be filled in slices. Returns those records.
+    """
+    cells = select_cells(grid, only)
     for number, (protocol, defense, attack) in enumerate(cells, 1):
         name = f"[{number}/{len(cells)}] {protocol.name} x {defense.name} x {attack.name}"
         if _finished(grid, protocol, defense, attack) is not None:
@@ -275,12 +277,33 @@ def run_grid(grid: Grid, inline: bool = False, only: dict[str, list[str]] | None
     return records
 
 
-def import_records(grid: Grid, table: str | Path) -> int:
-    """Seeds the grid's cells from a `matrix.json` written earlier (e.g. on another machine).
+def plan_grid(grid: Grid, only: dict[str, list[str]] | None = None, resume_from: str | Path | None = None,
+              echo=print) -> int:
+    """`--dry_run`: prints the `lti` commands of the selected cells that would run, a comment for the
+    cells already finished (here or in `resume_from`, read only) or n/a, and the time estimate.
+    Writes nothing; returns how many cells would run."""
+    imported = importable_records(grid, resume_from) if resume_from else {}
+    finished = {cell_id(*c): _finished(grid, *c) or imported.get(cell_id(*c)) for c in grid.cells()}
+    pending = []
+    for protocol, defense, attack in select_cells(grid, only):
+        key = cell_id(protocol, defense, attack)
+        reason = attack.not_applicable.get(protocol.name) or attack.not_applicable.get(defense.name)
+        if reason:
+            echo(f"# {key}: n/a ({reason})")
+        elif finished[key] is not None:
+            echo(f"# {key}: done")
+        else:
+            pending.append((protocol, defense, attack))
+            for command in cell_commands(grid, protocol, defense, attack):
+                echo("lti " + " ".join(command))
+    known = [r for r in finished.values() if r is not None]
+    echo(f"# {len(pending)} cell{'s' * (len(pending) != 1)} to run{_eta_text(estimate_remaining(known, pending))}")
+    return len(pending)
 
-    A record counts only for a cell of this grid with the same arguments (fingerprint) and a finished
-    status (ok or n/a); cells that already hold a record keep it. Returns how many were imported.
-    """
+
+def importable_records(grid: Grid, table: str | Path) -> dict[str, dict]:
+    """{cell id: record} of a `matrix.json` written earlier (e.g. on another machine) that count for
+    this grid: a cell of the grid, the same arguments (fingerprint) and a finished status (ok or n/a)."""
     table = Path(table)
     if not table.is_file():
         raise FileNotFoundError(f"table {str(table)!r} does not exist")
@@ -288,13 +311,23 @@ def import_records(grid: Grid, table: str | Path) -> int:
     if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
         raise ValueError(f"table {table}: expected the list of cell records that `lti matrix` writes as matrix.json")
     cells = {cell_id(*cell): cell for cell in grid.cells()}
-    imported = 0
+    usable = {}
     for record in records:
         key = "__".join(str(record.get(axis)) for axis in ("protocol", "defense", "attack"))
         if key not in cells or record.get("status") not in ("ok", "n/a"):
             continue
         if record.get("fingerprint") != cell_fingerprint(grid, *cells[key]):
             continue  # made with other arguments: the cell runs again
+        usable[key] = record
+    return usable
+
+
+def import_records(grid: Grid, table: str | Path) -> int:
+    """Seeds the grid's cells from `importable_records(grid, table)`; cells that already hold a record
+    keep it. Returns how many were imported."""
+    cells = {cell_id(*cell): cell for cell in grid.cells()}
+    imported = 0
+    for key, record in importable_records(grid, table).items():
         if (cell_folder(grid, *cells[key]) / "cell.json").is_file():
             continue
         _save_record(grid, cells[key], record)
@@ -510,22 +543,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--resume_from", metavar="MATRIX_JSON",
                         help="count the finished cells of an earlier table (matrix.json) as done where their arguments match")
     parser.add_argument("--inline", action="store_true", help="run cells in this process (faster, less isolated)")
-    parser.add_argument("--dry_run", action="store_true", help="print each cell's lti commands and stop")
+    parser.add_argument("--dry_run", action="store_true",
+                        help="print the lti commands of the selected cells still to run, and the time estimate; run nothing")
     args = parser.parse_args(argv)
     try:
         grid = load_grid(args.grid, args.out_dir)
+        only = {"attack": args.attacks, "protocol": args.protocols, "defense": args.defenses}
         if args.dry_run:
-            for protocol, defense, attack in grid.cells():
-                reason = attack.not_applicable.get(protocol.name) or attack.not_applicable.get(defense.name)
-                if reason:
-                    print(f"# {cell_id(protocol, defense, attack)}: n/a ({reason})")
-                    continue
-                for command in cell_commands(grid, protocol, defense, attack):
-                    print("lti " + " ".join(command))
+            plan_grid(grid, only, args.resume_from)
             return
         if args.resume_from:
             print(f"imported {import_records(grid, args.resume_from)} finished cells from {args.resume_from}")
-        only = {"attack": args.attacks, "protocol": args.protocols, "defense": args.defenses}
         records = run_grid(grid, inline=args.inline, only=only)
     except (ValueError, FileNotFoundError) as error:
         print(f"lti matrix: error: {error}", file=sys.stderr)

@@ -140,8 +140,12 @@ def test_lti_matrix_subcommand_dry_run_prints_every_cell(grid_file, capsys):
     lti_main(["matrix", "--grid", str(grid_file), "--dry_run"])
     commands = capsys.readouterr().out.splitlines()
     # 2 defenses x (lti: fit + test, dager: test), in grid order; DAGER under noise is n/a
-    assert [c.split()[1] for c in commands] == ["fit", "test", "test", "fit", "test", "fedsgd__gauss__dager:"]
-    assert commands[-1] == "# fedsgd__gauss__dager: n/a (noise breaks exactness)"
+    assert [c.split()[1] for c in commands] == ["fit", "test", "test", "fit", "test", "fedsgd__gauss__dager:", "3"]
+    assert commands[-2:] == ["# fedsgd__gauss__dager: n/a (noise breaks exactness)", "# 3 cells to run"]
+    # The axis filters apply to the plan as to the run.
+    lti_main(["matrix", "--grid", str(grid_file), "--dry_run", "--attacks", "dager", "--defenses", "none"])
+    commands = capsys.readouterr().out.splitlines()
+    assert [c.split()[:2] for c in commands] == [["lti", "test"], ["#", "1"]]
 
 
 def test_resume_from_an_earlier_table_under_another_out_dir(grid_file, tmp_path, capsys):
@@ -171,6 +175,12 @@ def test_resume_from_an_earlier_table_under_another_out_dir(grid_file, tmp_path,
           "--attacks", "dager", "--inline"])
     out = capsys.readouterr().out
     assert "imported 2 finished cells" in out and "2 cells (0 failed)" in out
+    # A dry run with the table lists its cells as done, the others as commands, and writes nothing.
+    main(["--grid", str(grid_file), "--out_dir", str(tmp_path / "plan"), "--resume_from", str(table), "--dry_run"])
+    plan = capsys.readouterr().out.splitlines()
+    assert "# fedsgd__none__dager: done" in plan and "# fedsgd__gauss__dager: n/a (noise breaks exactness)" in plan
+    assert sum(line.startswith("lti fit") for line in plan) == 2 and plan[-1] == "# 2 cells to run"
+    assert not (tmp_path / "plan").exists()
     with pytest.raises(SystemExit) as exit_info:
         main(["--grid", str(grid_file), "--resume_from", str(tmp_path / "none.json")])
     assert exit_info.value.code == 2 and "does not exist" in capsys.readouterr().err
@@ -238,3 +248,28 @@ def test_markdown_has_one_protocol_by_defense_table_per_attack_with_its_headline
     assert lti_table[2:] == ["| protocol | none | sign |", "|---|---|---|", "| fedsgd | 25.0 | failed |"]
     spear_table = text[text.index("**spear: rows_recovered (%)**"):].strip().splitlines()
     assert spear_table[2:] == ["| protocol | none | sign |", "|---|---|---|", "| fedsgd | 100.0 | 0.0 |", "| lora | n/a |  |"]
+
+
+def test_dry_run_estimates_the_cells_to_run_from_the_finished_ones(grid_file):
+    from lti.matrix import plan_grid
+
+    grid = load_grid(grid_file)
+    run_grid(grid, inline=True, only={"attack": ["dager"], "defense": ["none"]}, echo=lambda _: None)
+    (record_path,) = grid.out_dir.glob("cells/fedsgd__none__dager/cell.json")
+    record = json.loads(record_path.read_text())
+    record["seconds"] = 180.0  # as if the finished DAGER cell had taken 3 min
+    record_path.write_text(json.dumps(record))
+    grid.attacks[1].not_applicable = {}  # DAGER under noise now runs: one more exact cell to do
+
+    lines: list[str] = []
+    assert plan_grid(grid, {"attack": ["dager"]}, echo=lines.append) == 1
+    assert lines[0] == "# fedsgd__none__dager: done" and lines[1].startswith("lti test ")
+    assert lines[-1] == "# 1 cell to run (grid: about 3 min left, from the finished cells' times)"
+    lines.clear()
+    # Learned cells were never timed: counted, not guessed.
+    assert plan_grid(grid, None, echo=lines.append) == 3
+    assert lines[-1] == "# 3 cells to run (grid: about 3 min left plus 2 cells never timed, from the finished cells' times)"
+    # Once its arguments change, the finished cell is stale: it runs again and its time no longer counts.
+    grid.defenses[0].overrides = {"data.hash_bins": 9}
+    lines.clear()
+    assert plan_grid(grid, {"attack": ["dager"]}, echo=lines.append) == 2 and lines[-1] == "# 2 cells to run"
