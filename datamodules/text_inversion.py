@@ -100,7 +100,8 @@ class TextInversionDataModule(LightningDataModule):
             hash_signed: Multiply every coordinate by a hashed +-1 sign before summing (paper: unsigned).
             batch_size: Client updates per batch.
             train_samples: Use at most this many auxiliary samples (None: all).
-            eval_samples: Evaluate on the first this many held-out samples (None: all; paper: 1000).
+            eval_samples: Evaluate on the first this many held-out samples (sequences; grouped into
+                updates of `client.sequences_per_update`) (None: all; paper: 1000).
             pseudo_batches_per_epoch: LTI-P batches per epoch (default: as many as auxiliary batches).
             keep_eval_updates: Put the defended update into evaluation batches (needed by exact attacks).
             num_workers: DataLoader workers (the update computation itself runs in the main process).

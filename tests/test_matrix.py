@@ -273,3 +273,4 @@ def test_dry_run_estimates_the_cells_to_run_from_the_finished_ones(grid_file):
     grid.defenses[0].overrides = {"data.hash_bins": 9}
     lines.clear()
     assert plan_grid(grid, {"attack": ["dager"]}, echo=lines.append) == 2 and lines[-1] == "# 2 cells to run"
+
