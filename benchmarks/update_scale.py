@@ -41,8 +41,12 @@ def protocol_updates(grid, protocol, updates: int) -> torch.Tensor:
     no_defense = Entry("none", configs=["configs/defenses/none.yaml"])
     fit_args = cell_commands(grid, protocol, no_defense, Entry("lti"))[0][1:]
     fit_args += ["--data.eval_samples", "null", "--data.batch_size", str(updates)]  # the first batch: U updates
-    cli = LTICLI(InversionModule, TextInversionDataModule, trainer_defaults=trainer_defaults(), run=False,
-                 args=fit_args, save_config_callback=None)
+    argv, sys.argv = sys.argv, sys.argv[:1]  # the CLI warns when it sees this script's own arguments too
+    try:
+        cli = LTICLI(InversionModule, TextInversionDataModule, trainer_defaults=trainer_defaults(), run=False,
+                     args=fit_args, save_config_callback=None)
+    finally:
+        sys.argv = argv
     data = cli.datamodule
     data.prepare_data()
     data.setup("test")
@@ -64,13 +68,15 @@ def main(argv: list[str] | None = None) -> None:
 
     from lti.matrix import load_grid, select_cells
 
+    import lightning.pytorch  # noqa: F401  (sets its loggers to INFO on import: quiet them after it)
+
     for logger in ("lightning.pytorch", "lightning.fabric"):  # no trainer banners between the table rows
         logging.getLogger(logger).setLevel(logging.WARNING)
 
     grid = load_grid(args.grid, out_dir="/tmp/lti-update-scale")
     protocols = {p.name: p for p, _, _ in select_cells(grid, {"protocol": args.protocols or []})}
-    header = ["protocol", "D", "median ||u||", "RMS / coord"]
-    header += [f"||u|| / (σ√D), σ={s:g}" for s in args.sigma] + [f"DP-SGD bound, σ={s:g}" for s in args.sigma]
+    header = ["protocol", "D", "median ‖u‖", "RMS per coordinate"]
+    header += [f"‖u‖ / (σ√D), σ={s:g}" for s in args.sigma] + [f"DP-SGD bound, σ={s:g}" for s in args.sigma]
     print(f"grid {args.grid}, {args.updates} held-out client updates per protocol, no defense, torch {torch.__version__}")
     print("| " + " | ".join(header) + " | s |")
     print("|" + "---|" * (len(header) + 1))
