@@ -261,16 +261,19 @@ def run_grid(grid: Grid, inline: bool = False, only: dict[str, list[str]] | None
     grid can be filled in slices. Returns those records.
     """
     cells = select_cells(grid, only)
+    # Finished records, read once and kept up to date: the time estimate needs all of them per cell.
+    done = {cell_id(*c): r for c in grid.cells() if (r := _finished(grid, *c)) is not None}
     for number, (protocol, defense, attack) in enumerate(cells, 1):
         name = f"[{number}/{len(cells)}] {protocol.name} x {defense.name} x {attack.name}"
         if _finished(grid, protocol, defense, attack) is not None:
             echo(f"{name}: done before, skipped")
             continue
-        finished = [r for r in (_finished(grid, *c) for c in grid.cells()) if r is not None]
-        pending = [c for c in cells[number - 1 :] if _finished(grid, *c) is None]
-        echo(f"{name}: running ...{_eta_text(estimate_remaining(finished, pending))}")
+        pending = [c for c in cells[number - 1 :] if cell_id(*c) not in done]
+        echo(f"{name}: running ...{_eta_text(estimate_remaining(list(done.values()), pending))}")
         record = run_cell(grid, protocol, defense, attack, inline=inline)
         _save_record(grid, (protocol, defense, attack), record)
+        if record["status"] in ("ok", "n/a"):
+            done[cell_id(protocol, defense, attack)] = record
         echo(f"{name}: {_summary(record)}")
     records = [r for r in (_finished(grid, *c, failed_too=True) for c in grid.cells()) if r is not None]
     write_outputs(grid, records)
