@@ -26,6 +26,20 @@ def rouge_f(prediction: str, reference: str) -> dict[str, float]:
     return {name: scores[name].fmeasure for name in ROUGE_TYPES}
 
 
+def position_loss(logits: Tensor, target: Tensor, mask: Tensor) -> Tensor:
+    """Mean cross-entropy over the unmasked positions: logits (U, P, V), target and mask (U, P).
+
+    The logits are flattened to (U * P, V) rather than transposed to (U, V, P) for
+    `cross_entropy`: with the class dimension contiguous the CPU kernel is 3-4x faster on the
+    (32, 64, 50257) logits of a FedAvg batch (same values up to float rounding; tested against a
+    per-position loop).
+    """
+    per_position = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none"
+    ).view(target.shape)
+    return (per_position * mask).sum() / mask.sum().clamp_min(1)
+
+
 def token_accuracy(preds: Tensor, target: Tensor, mask: Tensor | None = None) -> Tensor:
     """Per-row position-wise accuracy (rows, positions) -> (rows,)."""
     correct = (preds == target).float()

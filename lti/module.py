@@ -13,11 +13,11 @@ from typing import Literal
 import torch
 from jsonargparse import lazy_instance
 from lightning.pytorch import LightningModule
-from torch import Tensor, nn
+from torch import Tensor
 
 from lti.inverters import EmbeddingInverter, Inverter
 from lti.registry import materialize
-from lti.metrics import ROUGE_TYPES, RougeScores, TokenAccuracy, rouge_f, token_accuracy
+from lti.metrics import RougeScores, TokenAccuracy, position_loss, rouge_f, token_accuracy
 
 STAGES = ("train", "val", "test")
 
@@ -128,8 +128,7 @@ class InversionModule(LearnedInversionModule):
         updates = logits.shape[0]
         targets = batch["input_ids"].reshape(updates, -1)
         mask = batch["attention_mask"].reshape(updates, -1)
-        per_position = nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
-        loss = (per_position * mask).sum() / mask.sum().clamp_min(1)
+        loss = position_loss(logits, targets, mask)
         preds = logits.argmax(dim=-1)
         getattr(self, f"{stage}_token_acc").update(preds, targets, mask)
         self.log(f"{stage}/loss", loss, prog_bar=True, sync_dist=stage != "train", batch_size=updates)

@@ -2,7 +2,7 @@ import pytest
 import torch
 from rouge_score import rouge_scorer
 
-from lti.metrics import RougeScores, TokenAccuracy, rouge_f, token_accuracy
+from lti.metrics import RougeScores, TokenAccuracy, position_loss, rouge_f, token_accuracy
 
 
 def test_token_accuracy_matches_a_manual_count_with_and_without_mask():
@@ -38,3 +38,19 @@ def test_rouge_accepts_precomputed_scores():
     assert a.compute()["rouge1"].item() == pytest.approx(b.compute()["rouge1"].item())
     with pytest.raises(ValueError):
         RougeScores().update(["a"], ["a", "b"])
+
+
+def test_position_loss_matches_a_per_position_loop_in_float64():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 11, dtype=torch.float64)
+    target = torch.randint(0, 11, (3, 5))
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [0, 0, 0, 0, 0]], dtype=torch.float64)
+    total, count = 0.0, 0.0
+    for u in range(3):
+        for p in range(5):
+            if mask[u, p]:
+                total += -torch.log_softmax(logits[u, p], dim=0)[target[u, p]].item()
+                count += 1
+    assert position_loss(logits, target, mask).item() == pytest.approx(total / count, rel=1e-12)
+    # Nothing unmasked: zero, not NaN.
+    assert position_loss(logits, target, torch.zeros_like(mask)).item() == 0.0
