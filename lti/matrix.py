@@ -37,6 +37,8 @@ import yaml
 # What a cell reports, read from `test_metrics.json` under the attack's metric prefix.
 METRICS = ("token_acc", "rouge1", "rouge2", "rougeL")
 KINDS = ("learned", "exact")
+#: Record statuses that count as done (a rerun skips them); "failed" cells are retried.
+FINISHED_STATUSES = ("ok", "n/a")
 
 
 @dataclass
@@ -265,14 +267,14 @@ def run_grid(grid: Grid, inline: bool = False, only: dict[str, list[str]] | None
     done = {cell_id(*c): r for c in grid.cells() if (r := _finished(grid, *c)) is not None}
     for number, (protocol, defense, attack) in enumerate(cells, 1):
         name = f"[{number}/{len(cells)}] {protocol.name} x {defense.name} x {attack.name}"
-        if _finished(grid, protocol, defense, attack) is not None:
+        if cell_id(protocol, defense, attack) in done:
             echo(f"{name}: done before, skipped")
             continue
         pending = [c for c in cells[number - 1 :] if cell_id(*c) not in done]
         echo(f"{name}: running ...{_eta_text(estimate_remaining(list(done.values()), pending))}")
         record = run_cell(grid, protocol, defense, attack, inline=inline)
         _save_record(grid, (protocol, defense, attack), record)
-        if record["status"] in ("ok", "n/a"):
+        if record["status"] in FINISHED_STATUSES:
             done[cell_id(protocol, defense, attack)] = record
         echo(f"{name}: {_summary(record)}")
     records = [r for r in (_finished(grid, *c, failed_too=True) for c in grid.cells()) if r is not None]
@@ -317,7 +319,7 @@ def importable_records(grid: Grid, table: str | Path) -> dict[str, dict]:
     usable = {}
     for record in records:
         key = "__".join(str(record.get(axis)) for axis in ("protocol", "defense", "attack"))
-        if key not in cells or record.get("status") not in ("ok", "n/a"):
+        if key not in cells or record.get("status") not in FINISHED_STATUSES:
             continue
         if record.get("fingerprint") != cell_fingerprint(grid, *cells[key]):
             continue  # made with other arguments: the cell runs again
@@ -346,7 +348,7 @@ def _finished(grid: Grid, protocol: Entry, defense: Entry, attack: Entry, failed
     record = json.loads(path.read_text())
     if record.get("fingerprint") != cell_fingerprint(grid, protocol, defense, attack):
         return None
-    return record if failed_too or record.get("status") in ("ok", "n/a") else None
+    return record if failed_too or record.get("status") in FINISHED_STATUSES else None
 
 
 def estimate_remaining(finished: list[dict], pending: list[tuple[Entry, Entry, Entry]]) -> tuple[float, int]:
