@@ -1,8 +1,10 @@
 """Seconds per training step of a config (update generation + inverter step), for time-per-epoch estimates.
 
     python benchmarks/step_time.py --config configs/paper/lti_wikitext103.yaml --offline --steps 12
+    python benchmarks/step_time.py --config configs/quickstart.yaml --config configs/protocols/fedavg.yaml \
+        -- --data.client.init_args.local_epochs 2   # any `lti fit` arguments after `--`
 
-Runs `lti fit` in-process on the config for `--warmup + --steps` steps with a callback that times
+Runs `lti fit` in-process on the configs for `--warmup + --steps` steps with a callback that times
 each step (batch transfer, which computes the updates, included), and prints the median seconds per
 step and the implied time per epoch for the paper's 180,135 WikiText-103 training blocks.
 `--offline` swaps the corpus for the embedded one (step time does not depend on the text).
@@ -36,34 +38,37 @@ class StepTimer(Callback):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True)
+    parser.add_argument("--config", required=True, action="append", help="a config file (repeat to layer several)")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--offline", action="store_true", help="use the embedded corpus instead of the config's")
     parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("overrides", nargs="*", help="further `lti fit` arguments (after `--`)")
     args = parser.parse_args()
 
+    from lightning.pytorch import LightningDataModule, LightningModule
+
     from lti.cli import LTICLI, trainer_defaults
-    from datamodules.text_inversion import TextInversionDataModule
-    from lti.module import InversionModule
 
     timer = StepTimer()
-    cli_args = [
-        "--config", args.config, "--trainer.max_steps", str(args.warmup + args.steps), "--trainer.limit_val_batches", "0",
+    cli_args = [arg for config in args.config for arg in ("--config", config)] + args.overrides + [
+        "--trainer.max_steps", str(args.warmup + args.steps), "--trainer.limit_val_batches", "0",
         "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
         "--trainer.accelerator", args.accelerator, "--trainer.devices", "1", "--data.num_workers", "0",
         "--checkpoint.dirpath", "/tmp/lti-step-time", "--trainer.default_root_dir", "/tmp/lti-step-time",
     ]
     if args.offline:
         cli_args += ["--data.corpus", "datamodules.text.EmbeddedCorpus"]
-    cli = LTICLI(InversionModule, TextInversionDataModule, trainer_defaults=trainer_defaults(), run=False,
-                 args=cli_args, save_config_callback=None)
+    # Same CLI as `lti` (subclass mode: configs name their model and data classes).
+    cli = LTICLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
+                 trainer_defaults=trainer_defaults(), run=False, args=cli_args, save_config_callback=None,
+                 parser_kwargs={"default_env": False})
     cli.trainer.callbacks.append(timer)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     measured = timer.times[args.warmup :]
     seconds = statistics.median(measured)
     batch = cli.datamodule.batch_size
-    print(f"config {args.config} ({'embedded corpus' if args.offline else 'config corpus'}), device {args.accelerator}, batch {batch}")
+    print(f"config {' + '.join(args.config)} {' '.join(args.overrides)} ({'embedded corpus' if args.offline else 'config corpus'}), device {args.accelerator}, batch {batch}")
     print(f"seconds per step: median {seconds:.3f}, min {min(measured):.3f}, max {max(measured):.3f} over {len(measured)} steps")
     steps = PAPER_TRAINING_BLOCKS // batch
     print(f"paper epoch ({PAPER_TRAINING_BLOCKS} blocks = {steps} steps): {steps * seconds / 3600:.2f} h")

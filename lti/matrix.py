@@ -146,7 +146,11 @@ def cell_folder(grid: Grid, protocol: Entry, defense: Entry, attack: Entry) -> P
 def _save_record(grid: Grid, cell: tuple[Entry, Entry, Entry], record: dict) -> None:
     path = cell_folder(grid, *cell) / "cell.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2) + "\n")
+    # Write-then-rename, so that a second `lti matrix` filling another slice of the same grid (they
+    # read every cell's record to write the tables) never reads a half-written record.
+    partial = path.with_name(f"cell.json.{os.getpid()}.partial")
+    partial.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(partial, path)
 
 
 def cell_commands(grid: Grid, protocol: Entry, defense: Entry, attack: Entry) -> list[list[str]]:

@@ -274,3 +274,26 @@ def test_dry_run_estimates_the_cells_to_run_from_the_finished_ones(grid_file):
     lines.clear()
     assert plan_grid(grid, {"attack": ["dager"]}, echo=lines.append) == 2 and lines[-1] == "# 2 cells to run"
 
+
+
+def test_cell_records_are_replaced_whole(grid_file, monkeypatch):
+    """Two `lti matrix` runs may fill slices of one grid: a record is written aside and renamed, so a
+    reader sees the old record or the new one, never a partial file."""
+    from lti.matrix import _finished, _save_record
+
+    grid = load_grid(grid_file)
+    run_grid(grid, inline=True, only={"attack": ["dager"], "defense": ["none"]}, echo=lambda _: None)
+    (path,) = grid.out_dir.glob("cells/fedsgd__none__dager/cell.json")
+    record = json.loads(path.read_text())
+    cell = next(c for c in grid.cells() if (c[0].name, c[1].name, c[2].name) == ("fedsgd", "none", "dager"))
+    _save_record(grid, cell, {**record, "seconds": 12.5})
+    assert _finished(grid, *cell)["seconds"] == 12.5
+    assert [p.name for p in path.parent.iterdir() if p.name.startswith("cell.json")] == ["cell.json"]
+    # Until the rename, the finished record stays in place (a direct write would have truncated it).
+    def interrupted(*_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("lti.matrix.os.replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _save_record(grid, cell, {**record, "seconds": 99.0})
+    assert _finished(grid, *cell)["seconds"] == 12.5
