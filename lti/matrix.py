@@ -12,6 +12,8 @@ file exists with the same arguments (so a partly finished grid resumes where it 
 cells whose arguments changed or that failed. A cell that does not apply is written as "n/a" with the
 grid's reason, never run. `--resume_from matrix.json` seeds the cells from a table written earlier
 (e.g. the one committed under docs/): its records count as finished where their arguments match.
+`--jobs N` runs N cells at once as subprocesses (each with its share of the CPU cores), and two
+`lti matrix` runs on disjoint slices of one grid may share its folder (records are written whole).
 The table goes to `matrix.csv`, `matrix.json`, `matrix.md`, the plots to
 `*.png`, and all of them to one W&B run (offline unless the grid says otherwise).
 
@@ -27,7 +29,9 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -193,7 +197,7 @@ def _find(tree: Any, key: str) -> Any:
     return None
 
 
-def _run_lti(args: list[str], inline: bool, log) -> None:
+def _run_lti(args: list[str], inline: bool, log, threads: int | None = None) -> None:
     if inline:
         from lti.cli import run  # the caller's process: no interpreter or import start-up per cell
 
@@ -204,12 +208,17 @@ def _run_lti(args: list[str], inline: bool, log) -> None:
             sys.argv = argv
         return
     env = {**os.environ, "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1"}
+    if threads is not None:  # cells run side by side (`--jobs`): each gets its share of the cores
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     completed = subprocess.run([sys.executable, "-m", "lti.cli", *args], stdout=log, stderr=subprocess.STDOUT, env=env)
     if completed.returncode:
         raise RuntimeError(f"lti {args[0]} exited with status {completed.returncode}")
 
 
-def run_cell(grid: Grid, protocol: Entry, defense: Entry, attack: Entry, inline: bool = False) -> dict:
+def run_cell(grid: Grid, protocol: Entry, defense: Entry, attack: Entry, inline: bool = False,
+             threads: int | None = None) -> dict:
+    """Runs one cell (in this process if `inline`, else as `lti` subprocesses with `threads` CPU
+    threads each, None: inherited) and returns its record; a failing cell gives a "failed" record."""
     folder = cell_folder(grid, protocol, defense, attack)
     folder.mkdir(parents=True, exist_ok=True)
     record: dict[str, Any] = {"protocol": protocol.name, "defense": defense.name, "attack": attack.name,
@@ -224,7 +233,7 @@ def run_cell(grid: Grid, protocol: Entry, defense: Entry, attack: Entry, inline:
     with open(folder / "log.txt", "w") as log:
         try:
             for args in commands:
-                _run_lti(args, inline, log)
+                _run_lti(args, inline, log, threads)
             result = json.loads((folder / "run" / "test_metrics.json").read_text())
         except (Exception, SystemExit) as error:  # noqa: BLE001 - one failed cell must not stop the grid
             if type(error).__name__ == "SIGTERMException":
@@ -260,27 +269,54 @@ def select_cells(grid: Grid, only: dict[str, list[str]] | None = None) -> list[t
             if all(entry.name in only.get(axis, {entry.name}) for axis, entry in zip(("protocol", "defense", "attack"), cell))]
 
 
-def run_grid(grid: Grid, inline: bool = False, only: dict[str, list[str]] | None = None, echo=print) -> list[dict]:
+def run_grid(grid: Grid, inline: bool = False, only: dict[str, list[str]] | None = None, echo=print,
+             jobs: int = 1, threads_per_job: int | None = None) -> list[dict]:
     """Runs (or resumes) the selected cells (`select_cells`) and writes the tables and plots.
 
     The tables cover every cell of the grid finished so far (this run or earlier ones), so a large
-    grid can be filled in slices. Returns those records.
+    grid can be filled in slices. `jobs` > 1 runs that many cells at once, as subprocesses with
+    `threads_per_job` CPU threads each (default: the machine's cores shared out); worth it where one
+    cell cannot use all cores (`benchmarks/results/step_time_threads_cpu.md`). Returns the records.
     """
+    if jobs < 1:
+        raise ValueError(f"jobs={jobs} must be at least 1")
+    if jobs > 1 and inline:
+        raise ValueError("cells that run side by side (jobs > 1) run as subprocesses; drop --inline")
+    if threads_per_job is not None and threads_per_job < 1:
+        raise ValueError(f"threads_per_job={threads_per_job} must be at least 1")
+    if jobs > 1 and threads_per_job is None:
+        threads_per_job = max(1, (os.cpu_count() or 1) // jobs)
     cells = select_cells(grid, only)
     # Finished records, read once and kept up to date: the time estimate needs all of them per cell.
     done = {cell_id(*c): r for c in grid.cells() if (r := _finished(grid, *c)) is not None}
-    for number, (protocol, defense, attack) in enumerate(cells, 1):
-        name = f"[{number}/{len(cells)}] {protocol.name} x {defense.name} x {attack.name}"
-        if cell_id(protocol, defense, attack) in done:
-            echo(f"{name}: done before, skipped")
-            continue
-        pending = [c for c in cells[number - 1 :] if cell_id(*c) not in done]
-        echo(f"{name}: running ...{_eta_text(estimate_remaining(list(done.values()), pending))}")
-        record = run_cell(grid, protocol, defense, attack, inline=inline)
-        _save_record(grid, (protocol, defense, attack), record)
-        if record["status"] in FINISHED_STATUSES:
-            done[cell_id(protocol, defense, attack)] = record
-        echo(f"{name}: {_summary(record)}")
+    names = {cell_id(*c): f"[{number}/{len(cells)}] {c[0].name} x {c[1].name} x {c[2].name}" for number, c in enumerate(cells, 1)}
+    todo = []
+    for cell in cells:
+        if cell_id(*cell) in done:
+            echo(f"{names[cell_id(*cell)]}: done before, skipped")
+        else:
+            todo.append(cell)
+    lock = threading.Lock()  # `done` and the echo are shared by the jobs' threads
+
+    def run_one(index: int) -> None:
+        cell = todo[index]
+        with lock:
+            seconds, unknown = estimate_remaining(list(done.values()), todo[index:])
+            echo(f"{names[cell_id(*cell)]}: running ...{_eta_text((seconds / jobs, unknown))}")
+        record = run_cell(grid, *cell, inline=inline, threads=threads_per_job)
+        _save_record(grid, cell, record)
+        with lock:
+            if record["status"] in FINISHED_STATUSES:
+                done[cell_id(*cell)] = record
+            echo(f"{names[cell_id(*cell)]}: {_summary(record)}")
+
+    if jobs == 1:
+        for index in range(len(todo)):
+            run_one(index)
+    else:
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            for future in [pool.submit(run_one, index) for index in range(len(todo))]:
+                future.result()  # re-raises what a job raised (e.g. the grid being stopped)
     records = [r for r in (_finished(grid, *c, failed_too=True) for c in grid.cells()) if r is not None]
     write_outputs(grid, records)
     return records
@@ -552,6 +588,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--resume_from", metavar="MATRIX_JSON",
                         help="count the finished cells of an earlier table (matrix.json) as done where their arguments match")
     parser.add_argument("--inline", action="store_true", help="run cells in this process (faster, less isolated)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="run this many cells at once, as subprocesses (not with --inline); on a CPU each gets "
+                             "an equal share of the cores")
+    parser.add_argument("--threads_per_job", type=int,
+                        help="CPU threads of each cell when --jobs > 1 (default: cores // jobs)")
     parser.add_argument("--dry_run", action="store_true",
                         help="print the lti commands of the selected cells still to run, and the time estimate; run nothing")
     args = parser.parse_args(argv)
@@ -563,7 +604,7 @@ def main(argv: list[str] | None = None) -> None:
             return
         if args.resume_from:
             print(f"imported {import_records(grid, args.resume_from)} finished cells from {args.resume_from}")
-        records = run_grid(grid, inline=args.inline, only=only)
+        records = run_grid(grid, inline=args.inline, only=only, jobs=args.jobs, threads_per_job=args.threads_per_job)
     except (ValueError, FileNotFoundError) as error:
         print(f"lti matrix: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -297,3 +297,61 @@ def test_cell_records_are_replaced_whole(grid_file, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         _save_record(grid, cell, {**record, "seconds": 99.0})
     assert _finished(grid, *cell)["seconds"] == 12.5
+
+
+def test_jobs_run_cells_side_by_side_with_a_share_of_the_cores(grid_file, monkeypatch):
+    """`jobs=2`: two cells at a time (never more), each told to use cores // 2 threads; every record is
+    saved and the tables cover them all. The cells are stand-ins that wait for each other in pairs at
+    a barrier, which only passes if two of them run at once."""
+    import threading
+
+    import lti.matrix as matrix
+
+    grid = load_grid(grid_file)
+    lock, running, peak, threads_seen = threading.Lock(), [0], [0], []
+    pair = threading.Barrier(2, timeout=60)
+
+    def fake_cell(grid, protocol, defense, attack, inline=False, threads=None):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+            threads_seen.append(threads)
+        pair.wait()  # raises BrokenBarrierError (failing the test) if the cells ran one at a time
+        with lock:
+            running[0] -= 1
+        return {"protocol": protocol.name, "defense": defense.name, "attack": attack.name, "kind": attack.kind,
+                "noise": defense.noise, "fingerprint": matrix.cell_fingerprint(grid, protocol, defense, attack),
+                "status": "n/a", "reason": "stand-in"}
+
+    monkeypatch.setattr(matrix, "run_cell", fake_cell)
+    monkeypatch.setattr(matrix.os, "cpu_count", lambda: 4)
+    lines: list[str] = []
+    records = run_grid(grid, jobs=2, echo=lines.append)
+    assert len(records) == 4 and {r["status"] for r in records} == {"n/a"}
+    assert peak[0] == 2 and threads_seen == [2, 2, 2, 2]
+    assert sum(": running ..." in line for line in lines) == 4
+    assert len(list(grid.out_dir.glob("cells/*/cell.json"))) == 4 and (grid.out_dir / "matrix.md").is_file()
+
+
+def test_jobs_arguments_are_checked(grid_file):
+    grid = load_grid(grid_file)
+    with pytest.raises(ValueError, match="drop --inline"):
+        run_grid(grid, inline=True, jobs=2)
+    with pytest.raises(ValueError, match="jobs=0"):
+        run_grid(grid, jobs=0)
+    with pytest.raises(ValueError, match="threads_per_job=0"):
+        run_grid(grid, jobs=2, threads_per_job=0)
+    with pytest.raises(SystemExit) as stop:  # the command line: a one-line error, no traceback
+        main(["--grid", str(grid_file), "--jobs", "2", "--inline"])
+    assert stop.value.code == 2
+    assert not list(grid.out_dir.glob("cells/*/cell.json"))
+
+
+def test_cells_run_as_subprocesses_side_by_side(grid_file):
+    """The real thing: two cells (LTI and DAGER) as `lti` subprocesses at once, one thread each."""
+    grid = load_grid(grid_file)
+    records = run_grid(grid, jobs=2, threads_per_job=1, only={"defense": ["none"]}, echo=lambda _: None)
+    by_attack = {r["attack"]: r for r in records}
+    assert set(by_attack) == {"lti", "dager"}
+    assert all(r["status"] == "ok" for r in by_attack.values()), by_attack
+    assert by_attack["dager"]["metrics"]["token_acc"] is not None
