@@ -31,7 +31,7 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -289,41 +289,50 @@ def run_grid(grid: Grid, inline: bool = False, only: dict[str, list[str]] | None
     cells = select_cells(grid, only)
     # Finished records, read once and kept up to date: the time estimate needs all of them per cell.
     done = {cell_id(*c): r for c in grid.cells() if (r := _finished(grid, *c)) is not None}
-    names = {cell_id(*c): f"[{number}/{len(cells)}] {c[0].name} x {c[1].name} x {c[2].name}" for number, c in enumerate(cells, 1)}
-    todo = []
-    for cell in cells:
-        if cell_id(*cell) in done:
-            echo(f"{names[cell_id(*cell)]}: done before, skipped")
-        else:
-            todo.append(cell)
     lock = threading.Lock()  # `done` and the echo are shared by the jobs' threads
+    stopping = threading.Event()  # set by a job that raised (e.g. Ctrl-C): start no further cell
 
-    def run_one(index: int) -> None:
-        cell = todo[index]
+    def run_one(number: int) -> None:
+        cell = cells[number - 1]
+        name = f"[{number}/{len(cells)}] {cell[0].name} x {cell[1].name} x {cell[2].name}"
         with lock:
-            seconds, unknown = estimate_remaining(list(done.values()), todo[index:])
-            echo(f"{names[cell_id(*cell)]}: running ...{_eta_text((seconds / jobs, unknown))}")
-        record = run_cell(grid, *cell, inline=inline, threads=threads_per_job)
+            if stopping.is_set():
+                return
+            if cell_id(*cell) in done:
+                echo(f"{name}: done before, skipped")
+                return
+            pending = [c for c in cells[number - 1 :] if cell_id(*c) not in done]
+            seconds, unknown = estimate_remaining(list(done.values()), pending)
+            echo(f"{name}: running ...{_eta_text((seconds / jobs, unknown))}")
+        try:
+            record = run_cell(grid, *cell, inline=inline, threads=threads_per_job)
+        except BaseException:
+            stopping.set()
+            raise
         _save_record(grid, cell, record)
         with lock:
             if record["status"] in FINISHED_STATUSES:
                 done[cell_id(*cell)] = record
-            echo(f"{names[cell_id(*cell)]}: {_summary(record)}")
+            echo(f"{name}: {_summary(record)}")
 
+    numbers = range(1, len(cells) + 1)
     if jobs == 1:
-        for index in range(len(todo)):
-            run_one(index)
+        for number in numbers:
+            run_one(number)
     else:
-        with ThreadPoolExecutor(max_workers=jobs) as pool:
-            for future in [pool.submit(run_one, index) for index in range(len(todo))]:
-                future.result()  # re-raises what a job raised (e.g. the grid being stopped)
+        pool = ThreadPoolExecutor(max_workers=jobs)
+        try:
+            for future in as_completed([pool.submit(run_one, number) for number in numbers]):
+                future.result()  # re-raises at once what a job raised
+        finally:  # after an error or Ctrl-C, the cells not started yet are dropped (`stopping`)
+            pool.shutdown(wait=True, cancel_futures=True)
     records = [r for r in (_finished(grid, *c, failed_too=True) for c in grid.cells()) if r is not None]
     write_outputs(grid, records)
     return records
 
 
 def plan_grid(grid: Grid, only: dict[str, list[str]] | None = None, resume_from: str | Path | None = None,
-              echo=print) -> int:
+              echo=print, jobs: int = 1) -> int:
     """`--dry_run`: prints the `lti` commands of the selected cells that would run, a comment for the
     cells already finished (here or in `resume_from`, read only) or n/a, and the time estimate.
     Writes nothing; returns how many cells would run."""
@@ -342,7 +351,8 @@ def plan_grid(grid: Grid, only: dict[str, list[str]] | None = None, resume_from:
             for command in cell_commands(grid, protocol, defense, attack):
                 echo("lti " + " ".join(command))
     known = [r for r in finished.values() if r is not None]
-    echo(f"# {len(pending)} cell{'s' * (len(pending) != 1)} to run{_eta_text(estimate_remaining(known, pending))}")
+    seconds, unknown = estimate_remaining(known, pending)
+    echo(f"# {len(pending)} cell{'s' * (len(pending) != 1)} to run{_eta_text((seconds / jobs, unknown))}")
     return len(pending)
 
 
@@ -600,7 +610,7 @@ def main(argv: list[str] | None = None) -> None:
         grid = load_grid(args.grid, args.out_dir)
         only = {"attack": args.attacks, "protocol": args.protocols, "defense": args.defenses}
         if args.dry_run:
-            plan_grid(grid, only, args.resume_from)
+            plan_grid(grid, only, args.resume_from, jobs=args.jobs)
             return
         if args.resume_from:
             print(f"imported {import_records(grid, args.resume_from)} finished cells from {args.resume_from}")

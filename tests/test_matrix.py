@@ -193,7 +193,7 @@ def test_a_stopped_grid_records_no_failed_cell(grid_file, monkeypatch):
 
     import lti.matrix as matrix
 
-    def stopped(args, inline, log):
+    def stopped(args, inline, log, threads=None):
         raise SIGTERMException()
 
     monkeypatch.setattr(matrix, "_run_lti", stopped)
@@ -265,6 +265,9 @@ def test_dry_run_estimates_the_cells_to_run_from_the_finished_ones(grid_file):
     assert plan_grid(grid, {"attack": ["dager"]}, echo=lines.append) == 1
     assert lines[0] == "# fedsgd__none__dager: done" and lines[1].startswith("lti test ")
     assert lines[-1] == "# 1 cell to run (grid: about 3 min left, from the finished cells' times)"
+    lines.clear()
+    plan_grid(grid, {"attack": ["dager"]}, echo=lines.append, jobs=2)  # two cells at once: half the time
+    assert lines[-1] == "# 1 cell to run (grid: about 2 min left, from the finished cells' times)"
     lines.clear()
     # Learned cells were never timed: counted, not guessed.
     assert plan_grid(grid, None, echo=lines.append) == 3
@@ -355,3 +358,20 @@ def test_cells_run_as_subprocesses_side_by_side(grid_file):
     assert set(by_attack) == {"lti", "dager"}
     assert all(r["status"] == "ok" for r in by_attack.values()), by_attack
     assert by_attack["dager"]["metrics"]["token_acc"] is not None
+
+
+def test_jobs_stop_starting_cells_after_an_error(grid_file, monkeypatch):
+    """An error in one job (e.g. the grid being interrupted) surfaces, and the cells not started yet
+    are dropped instead of run."""
+    import lti.matrix as matrix
+
+    started = []
+
+    def failing_cell(grid, protocol, defense, attack, inline=False, threads=None):
+        started.append(attack.name)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(matrix, "run_cell", failing_cell)
+    with pytest.raises(KeyboardInterrupt):
+        run_grid(load_grid(grid_file), jobs=2, echo=lambda _: None)
+    assert len(started) <= 2  # the two that ran at once; the other two cells never started
