@@ -88,6 +88,7 @@ def test_registry_lists_protocols_and_rejects_unknown_names():
     ({"lr": -1.0}, "FedAvg lr=-1.0 must be a finite number > 0"),
     ({"momentum": 1.0}, r"FedAvg momentum=1.0 is outside \[0, 1\)"),
     ({"mode": "inference"}, "client mode 'inference' is not allowed"),
+    ({"dtype": "float16"}, "client dtype 'float16' is not allowed; use 'model', 'float32' or 'float64'"),
 ])
 def test_fedavg_rejects_bad_arguments_in_one_line(kwargs, message):
     with pytest.raises(ValueError, match=message) as info:
@@ -202,6 +203,41 @@ def test_fedavg_on_a_gpt2_target_matches_the_manual_loop(tiny_gpt2):
     update = FedAvgClient("eval", 2, local_epochs=2, minibatch_size=1, lr=0.1, shuffle=False).observe(model, names, ids)
     for u in range(2):
         assert relative_error(update[u], manual_fedavg(model, names, names, ids[u], 2, 1, 0.1, 0.0)) < TOL
+
+
+def test_fedavg_float64_client_gives_the_exact_delta_of_a_float32_target():
+    """dtype=float64 trains a float64 copy: the delta matches a float64 torch.optim.SGD loop to float32
+    rounding, while the float32 client's delta has lost ~3 more digits to cancellation."""
+    model = tiny_t3(torch.float32, num_layers=1).eval()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ids = torch.randint(0, 300, (2, 3, 8))
+    names = ParameterSelection().resolve(model)
+    kwargs = dict(mode="eval", sequences_per_update=3, local_epochs=2, minibatch_size=1, lr=0.01, shuffle=False)
+    delta32 = FedAvgClient(**kwargs).observe(model, names, ids)
+    delta64 = FedAvgClient(**kwargs, dtype="float64").observe(model, names, ids)
+    reference = copy.deepcopy(model).double()
+    exact = torch.stack([manual_fedavg(reference, names, names, ids[u], 2, 1, 0.01, 0.0) for u in range(2)])
+    assert delta64.dtype == delta32.dtype == torch.float32  # sent in the target's dtype
+    assert relative_error(delta64, exact) < 1e-6
+    assert relative_error(delta32, exact) > 100 * relative_error(delta64, exact)
+    # The global model is untouched (the client trained a copy) and 'float32' on it is 'model'.
+    assert all(p.dtype == torch.float32 and torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert torch.equal(FedAvgClient(**kwargs, dtype="float32").observe(model, names, ids), delta32)
+
+
+def test_lora_with_a_float64_fedavg_client_matches_a_float64_model():
+    ids = torch.randint(0, 300, (2, 2, 8))
+    local = dict(mode="eval", sequences_per_update=2, local_epochs=2, minibatch_size=1, lr=0.01, shuffle=False)
+    model = tiny_t3(torch.float32, num_layers=1).eval()
+    lora = LoRAClient(rank=2, init_b_std=0.1, local=FedAvgClient(**local, dtype="float64"))
+    pipe = UpdatePipeline(model, lora, hash_bins=16)
+    update = pipe(ids, keep_update=True).update
+    # Reference: the same adapted model converted to float64, trained by a client in its own dtype.
+    model64 = copy.deepcopy(pipe.target).double()
+    adapters = lora.adapter_names(model64)
+    expected = FedAvgClient(**local).observe(model64, pipe.names, ids, trainable=adapters)
+    assert update.dtype == torch.float32 and expected.dtype == torch.float64
+    assert relative_error(update.double(), expected) < 1e-6  # a float32 client: ~7e-6 here
 
 
 def test_fedavg_train_mode_uses_dropout():

@@ -6,6 +6,11 @@ in YAML by `class_path`/`init_args` under `data.client`. Conventions:
 * FedAvg sends the weight delta `w_start - w_end` of the observed parameters after E local epochs
   of SGD (so with E = 1, one minibatch and no momentum it is exactly lr x the FedSGD gradient).
   Each client of a batch starts from the global weights; clients never see each other.
+* FedAvg's `dtype` sets the arithmetic of the local training: `model` (the target's own, float32 for
+  every target here, as real clients) or `float64` (the client trains a float64 copy; the delta it
+  sends is that of exact arithmetic, rounded once to the target's dtype). A float32 delta
+  w_start - w_end loses digits to cancellation (|w| >> |lr x g|), which is what stops exact attacks
+  that test exact spans or zeros; float64 is their best case.
 * Defenses under FedAvg: DP-SGD (`Defense.acts_per_step`) clips every sequence's gradient and adds
   noise at every local step; sign, pruning and Gaussian noise act on the delta the client sends
   (`Defense.on_delta`). Gaussian noise is therefore in weight units: sigma on a delta of lr x g is
@@ -17,6 +22,7 @@ in YAML by `class_path`/`init_args` under `data.client`. Conventions:
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 from typing import Literal
@@ -68,6 +74,7 @@ class FedAvgClient(LocalSGD, ClientProtocol):  # LocalSGD first: its step counts
         trainable: list[str] | None = None,
         shuffle: bool = True,
         implementation: Literal["vmap", "loop"] = "vmap",
+        dtype: Literal["model", "float32", "float64"] = "model",
     ) -> None:
         """
         Args:
@@ -83,14 +90,32 @@ class FedAvgClient(LocalSGD, ClientProtocol):  # LocalSGD first: its step counts
             shuffle: Reshuffle the n sequences every epoch (per client, from the pipeline's
                 generator); False keeps their order.
             implementation: `vmap` (fast) or `loop` (reference, one sequence at a time).
+            dtype: Arithmetic of the local training: `model` (the target's dtype; float32 as real
+                clients), `float32` or `float64` (exact deltas, the exact attacks' best case). Any
+                other dtype than the target's trains a copy of it; the delta is sent in the
+                target's dtype.
         """
         _check_mode(mode)
         if implementation not in ("vmap", "loop"):
             raise ValueError(f"client implementation {implementation!r} is not allowed; use 'vmap' or 'loop'")
+        if dtype not in ("model", "float32", "float64"):
+            raise ValueError(f"client dtype {dtype!r} is not allowed; use 'model', 'float32' or 'float64'")
         self.mode = mode
         self.sequences_per_update = sequences_per_update
         self._init_local_sgd(("sequences_per_update", sequences_per_update), local_epochs, minibatch_size, lr, momentum, shuffle, trainable)
         self.implementation = implementation
+        self.dtype = dtype
+
+    def _local_model(self, target: TargetLM) -> TargetLM:
+        """The model the client trains: the target itself, or a copy in the client's `dtype`.
+        A fresh copy per call: the global model may change between rounds, and a copy of the
+        small models here costs far less than the local steps (GPT-2: ~0.5 GB in float64)."""
+        if self.dtype == "model":
+            return target
+        dtype = getattr(torch, self.dtype)
+        if all(p.dtype == dtype for p in target.parameters() if p.is_floating_point()):
+            return target
+        return copy.deepcopy(target).to(dtype)
 
     def _step_gradient(
         self, target, names, ids, mask, weights, defense: Defense, generator, check: FiniteCheck
@@ -132,6 +157,8 @@ class FedAvgClient(LocalSGD, ClientProtocol):  # LocalSGD first: its step counts
         updates, n, length = input_ids.shape
         if n != self.sequences_per_update:
             raise ValueError(f"batch has {n} sequences per update, client expects {self.sequences_per_update}")
+        sent_dtype = dict(target.named_parameters())[names[0]].dtype
+        target = self._local_model(target)
         trained = self.trained_names(target, names, trainable)
         params = dict(target.named_parameters())
         observed_dim = sum(params[name].numel() for name in names)
@@ -146,7 +173,7 @@ class FedAvgClient(LocalSGD, ClientProtocol):  # LocalSGD first: its step counts
         with model_mode(target, self.mode), torch.enable_grad():
             delta = self.train_locally(start, observed_dim, step_gradient, generator)
         with torch.no_grad():
-            return defense.on_delta(delta, generator)
+            return defense.on_delta(delta.to(sent_dtype), generator)
 
 
 def _is_adapter(name: str) -> bool:
