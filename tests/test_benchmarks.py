@@ -41,3 +41,31 @@ def test_inverter_loss_benchmark_times_both_layouts_and_they_agree(capsys):
     assert "| transposed (U, V, P) |" in printed
     with pytest.raises(SystemExit):
         module.main(["--positions", "0"])
+
+
+def test_fedavg_dager_diagnostics_measure_zero_distance_for_the_true_tokens_of_a_fedsgd_gradient():
+    """benchmarks/fedavg_dager_diagnostics.py: the true tokens of a FedSGD (eval) gradient lie in its
+    first-layer span (distance ~1e-8: the loss is computed in float32), while the vocabulary's median is far from it;
+    a wrong token at one position moves the largest distance up to that scale."""
+    import importlib.util
+
+    import torch
+
+    from datamodules.federated import FedSGDClient, UpdatePipeline
+    from exact import Dager
+    from lti.targets import Transformer3
+
+    spec = importlib.util.spec_from_file_location("fedavg_dager_diagnostics", REPO / "benchmarks" / "fedavg_dager_diagnostics.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.manual_seed(0)
+    target = Transformer3(vocab_size=300, hidden_size=32, num_heads=2, ffn_size=64, num_layers=2, max_positions=8).double().eval()
+    pipeline = UpdatePipeline(target, FedSGDClient("eval", 1), hash_bins=16)
+    ids = torch.randint(0, 300, (1, 1, 8))
+    update = pipeline(ids, keep_update=True).update
+    one = {name: grads[0] for name, grads in pipeline.split(update).items()}
+    worst, median = module.true_token_distances(Dager(), target, one, ids[0])
+    assert worst < 1e-6 < 1e-2 < median  # DAGER keeps tokens below 1e-3
+    wrong = ids[0].clone()
+    wrong[0, 3] = (wrong[0, 3] + 1) % 300
+    assert module.true_token_distances(Dager(), target, one, wrong)[0] > 1e-2

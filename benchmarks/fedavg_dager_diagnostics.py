@@ -1,0 +1,94 @@
+"""Why does DAGER recover only part of an eval-mode FedAvg update, and does the client's float32 matter?
+
+For the first updates of the issue-5 evaluation batch (transformer3, dropout 0.1 in the model but an
+eval()-mode FedAvg client, n = 4 sequences of 16 tokens, lr 0.01), once with a float32 client and
+once with a float64 one (`FedAvgClient(dtype="float64")`), this prints per update:
+
+* the first-layer span distance of the true tokens on the pseudo-gradient delta / (steps * lr): the
+  largest over the update's 64 tokens (DAGER keeps a token when it is below the threshold, 1e-2
+  for multi-step clients), and the median distance of the vocabulary (how far a random token is);
+* DAGER's result with the matrix's settings (`exact.Dager()`, thresholds 1e-2): sequences recovered
+  exactly, the mode and reason, the first-layer candidates per position and its flags.
+
+Offline (the embedded corpus and tokenizer); CPU, about 1-2 min per update:
+    OMP_NUM_THREADS=2 python benchmarks/fedavg_dager_diagnostics.py --updates 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from datamodules.federated import FedAvgClient  # noqa: E402
+from datamodules.text_inversion import TextInversionDataModule  # noqa: E402
+from exact import Dager  # noqa: E402
+from exact.dager import span_basis, token_distances  # noqa: E402
+from lti.targets import Transformer3  # noqa: E402
+
+
+def observed_batch(dtype: str, epochs: int, minibatch: int, seed: int):
+    """The issue-5 evaluation batch under an eval-mode FedAvg client of the given arithmetic."""
+    torch.manual_seed(seed)
+    client = FedAvgClient("eval", 4, local_epochs=epochs, minibatch_size=minibatch, lr=0.01, dtype=dtype)
+    data = TextInversionDataModule(
+        target=Transformer3(dropout=0.1), client=client, hash_fraction=0.02, batch_size=32, eval_samples=32,
+    )
+    data.setup("test")
+    torch.manual_seed(seed)
+    batch = data.on_after_batch_transfer(next(iter(data.test_dataloader())), 0)
+    return data.pipeline, batch
+
+
+def true_token_distances(attack: Dager, target, update: dict, ids: torch.Tensor) -> tuple[float, float]:
+    """(largest first-layer distance of the update's true tokens, median distance of the vocabulary)."""
+    layers = attack.layers(target)
+    basis = span_basis(layers.first.input_space(update, attack.blocks), attack.rank_tol, None, attack.dtype)
+    length = ids.shape[-1]
+    basis = basis.with_rank(min(basis.numerical_rank, ids.numel()))
+    dist = token_distances(basis, layers.inputs, list(range(length)), dtype=attack.dtype)  # (L, V)
+    true = dist.gather(1, ids.T.to(dist.device))  # (L, n): position p, sequence s
+    return float(true.max()), float(dist.median())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--updates", type=int, default=4, help="client updates per arithmetic")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--minibatch", type=int, default=2)
+    parser.add_argument("--threshold", type=float, default=1e-2, help="DAGER's l1/l2 thresholds (the matrix: 1e-2)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    attack = Dager(l1_threshold=args.threshold, l2_threshold=args.threshold)
+    print(f"# eval-mode FedAvg E = {args.epochs}, B = {args.minibatch}, n = 4, lr 0.01; DAGER thresholds {args.threshold:g}")
+    print("| client | update | true tokens: max l1 distance | vocabulary: median | exact sequences | mode | candidates per position | reason / flags |")
+    print("|---|---|---|---|---|---|---|---|")
+    for dtype in ("float32", "float64"):
+        pipeline, batch = observed_batch(dtype, args.epochs, args.minibatch, args.seed)
+        update = batch["update"] * pipeline.client.gradient_scale()
+        split = pipeline.split(update)
+        ids = batch["input_ids"].view(update.shape[0], 4, -1)
+        target = pipeline.target.eval()
+        for u in range(min(args.updates, update.shape[0])):
+            one = {name: grads[u] for name, grads in split.items()}
+            worst, median = true_token_distances(attack, target, one, ids[u])
+            result = attack.attack(target, one, batch_size=4, max_length=ids.shape[-1])
+            truth = {tuple(s) for s in ids[u].tolist()}
+            exact = sum(tuple(s) in truth for s in result.sequences)
+            diag = result.diagnostics
+            cands = diag.get("candidates_per_position", [])
+            spread = f"{min(cands)}-{max(cands)}" if cands else "-"
+            notes = "; ".join([diag.get("reason", "")] + list(diag.get("flags", []))).strip("; ")
+            print(f"| {dtype} | {u} | {worst:.2e} | {median:.2e} | {exact}/4 | {diag.get('mode')} | {spread} | {notes or '-'} |",
+                  flush=True)
+    print(f"\n# {torch.__version__}, {torch.get_num_threads()} threads; median over the vocabulary at all positions")
+
+
+if __name__ == "__main__":
+    main()
