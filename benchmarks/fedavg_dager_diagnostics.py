@@ -7,6 +7,8 @@ once with a float64 one (`FedAvgClient(dtype="float64")`), this prints per updat
 * the first-layer span distance of the true tokens on the pseudo-gradient delta / (steps * lr): the
   largest over the update's 64 tokens (DAGER keeps a token when it is below the threshold, 1e-2
   for multi-step clients), and the median distance of the vocabulary (how far a random token is);
+* the second-layer distance of the true sequences (their block-1 inputs at the global weights
+  against the span of the second layer's gradient): how many of the 4 pass DAGER's threshold;
 * DAGER's result with the matrix's settings (`exact.Dager()`, thresholds 1e-2): sequences recovered
   exactly, the mode and reason, the first-layer candidates per position and its flags.
 
@@ -29,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from datamodules.federated import FedAvgClient  # noqa: E402
 from datamodules.text_inversion import TextInversionDataModule  # noqa: E402
 from exact import Dager  # noqa: E402
-from exact.dager import span_basis, token_distances  # noqa: E402
+from exact.dager import _SecondLayer, span_basis, token_distances  # noqa: E402
 from lti.targets import Transformer3  # noqa: E402
 
 
@@ -50,11 +52,20 @@ def true_token_distances(attack: Dager, target, update: dict, ids: torch.Tensor)
     """(largest first-layer distance of the update's true tokens, median distance of the vocabulary)."""
     layers = attack.layers(target)
     basis = span_basis(layers.first.input_space(update, attack.blocks), attack.rank_tol, None, attack.dtype)
-    length = ids.shape[-1]
-    basis = basis.with_rank(min(basis.numerical_rank, ids.numel()))
-    dist = token_distances(basis, layers.inputs, list(range(length)), dtype=attack.dtype)  # (L, V)
+    basis = basis.with_rank(min(basis.numerical_rank, ids.numel()))  # DAGER's cap: B x L directions
+    dist = token_distances(basis, layers.inputs, list(range(ids.shape[-1])), dtype=attack.dtype)  # (L, V)
     true = dist.gather(1, ids.T.to(dist.device))  # (L, n): position p, sequence s
     return float(true.max()), float(dist.median())
+
+
+def true_sequence_distances(attack: Dager, target, update: dict, ids: torch.Tensor) -> torch.Tensor:
+    """(n,) largest second-layer distance over each true sequence's positions (DAGER's second test,
+    with its probe: block-1 inputs at the global weights against the layer-2 span, capped at B x L)."""
+    layers = attack.layers(target)
+    basis = span_basis(layers.second.input_space(update, attack.blocks), attack.rank_tol, None, attack.dtype)
+    basis = basis.with_rank(min(basis.numerical_rank, ids.numel()))
+    with torch.no_grad():
+        return _SecondLayer(target, layers, basis, attack.token_budget).full(ids).max(dim=1).values
 
 
 def main() -> None:
@@ -63,13 +74,17 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--minibatch", type=int, default=2)
     parser.add_argument("--threshold", type=float, default=1e-2, help="DAGER's l1/l2 thresholds (the matrix: 1e-2)")
+    parser.add_argument("--encoder-token-budget", type=int, default=Dager().encoder_token_budget,
+                        help="tokens DAGER's bidirectional search may run through block 1 per update")
+    parser.add_argument("--dtypes", nargs="+", choices=["float32", "float64"], default=["float32", "float64"])
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    attack = Dager(l1_threshold=args.threshold, l2_threshold=args.threshold)
-    print(f"# eval-mode FedAvg E = {args.epochs}, B = {args.minibatch}, n = 4, lr 0.01; DAGER thresholds {args.threshold:g}")
-    print("| client | update | true tokens: max l1 distance | vocabulary: median | exact sequences | mode | candidates per position | reason / flags |")
-    print("|---|---|---|---|---|---|---|---|")
-    for dtype in ("float32", "float64"):
+    attack = Dager(l1_threshold=args.threshold, l2_threshold=args.threshold, encoder_token_budget=args.encoder_token_budget)
+    print(f"# eval-mode FedAvg E = {args.epochs}, B = {args.minibatch}, n = 4, lr 0.01; DAGER thresholds {args.threshold:g}, "
+          f"search budget {args.encoder_token_budget:,} tokens")
+    print("| client | update | true tokens: max l1 distance | vocabulary: median | true sequences passing l2 (max distance) | exact sequences | mode | candidates per position | reason / flags | seconds |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for dtype in args.dtypes:
         pipeline, batch = observed_batch(dtype, args.epochs, args.minibatch, args.seed)
         update = batch["update"] * pipeline.client.gradient_scale()
         split = pipeline.split(update)
@@ -78,6 +93,8 @@ def main() -> None:
         for u in range(min(args.updates, update.shape[0])):
             one = {name: grads[u] for name, grads in split.items()}
             worst, median = true_token_distances(attack, target, one, ids[u])
+            second = true_sequence_distances(attack, target, one, ids[u])
+            passing = int((second < args.threshold).sum())
             result = attack.attack(target, one, batch_size=4, max_length=ids.shape[-1])
             truth = {tuple(s) for s in ids[u].tolist()}
             exact = sum(tuple(s) in truth for s in result.sequences)
@@ -85,7 +102,7 @@ def main() -> None:
             cands = diag.get("candidates_per_position", [])
             spread = f"{min(cands)}-{max(cands)}" if cands else "-"
             notes = "; ".join([diag.get("reason", "")] + list(diag.get("flags", []))).strip("; ")
-            print(f"| {dtype} | {u} | {worst:.2e} | {median:.2e} | {exact}/4 | {diag.get('mode')} | {spread} | {notes or '-'} |",
+            print(f"| {dtype} | {u} | {worst:.2e} | {median:.2e} | {passing}/4 ({float(second.max()):.1e}) | {exact}/4 | {diag.get('mode')} | {spread} | {notes or '-'} | {diag['seconds']:.0f} |",
                   flush=True)
     print(f"\n# {torch.__version__}, {torch.get_num_threads()} threads; median over the vocabulary at all positions")
 

@@ -43,10 +43,11 @@ def test_inverter_loss_benchmark_times_both_layouts_and_they_agree(capsys):
         module.main(["--positions", "0"])
 
 
-def test_fedavg_dager_diagnostics_measure_zero_distance_for_the_true_tokens_of_a_fedsgd_gradient():
+def test_fedavg_dager_diagnostics_measure_zero_distances_for_the_truth_of_a_fedsgd_gradient():
     """benchmarks/fedavg_dager_diagnostics.py: the true tokens of a FedSGD (eval) gradient lie in its
-    first-layer span (distance ~1e-8: the loss is computed in float32), while the vocabulary's median is far from it;
-    a wrong token at one position moves the largest distance up to that scale."""
+    first-layer span and the true sequence's block-1 outputs in its second-layer span (distances ~1e-8:
+    the loss is computed in float32), while the vocabulary's median is far away; one wrong token moves
+    both distances up to that scale."""
     import importlib.util
 
     import torch
@@ -66,6 +67,8 @@ def test_fedavg_dager_diagnostics_measure_zero_distance_for_the_true_tokens_of_a
     one = {name: grads[0] for name, grads in pipeline.split(update).items()}
     worst, median = module.true_token_distances(Dager(), target, one, ids[0])
     assert worst < 1e-6 < 1e-2 < median  # DAGER keeps tokens below 1e-3
+    assert float(module.true_sequence_distances(Dager(), target, one, ids[0]).max()) < 1e-6
     wrong = ids[0].clone()
     wrong[0, 3] = (wrong[0, 3] + 1) % 300
     assert module.true_token_distances(Dager(), target, one, wrong)[0] > 1e-2
+    assert float(module.true_sequence_distances(Dager(), target, one, wrong).max()) > 1e-2
