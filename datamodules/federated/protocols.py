@@ -109,7 +109,7 @@ class FedAvgClient(LocalSGD, ClientProtocol):  # LocalSGD first: its step counts
     def _local_model(self, target: TargetLM) -> TargetLM:
         """The model the client trains: the target itself, or a copy in the client's `dtype`.
         A fresh copy per call: the global model may change between rounds, and a copy of the
-        small models here costs far less than the local steps (GPT-2: ~0.5 GB in float64)."""
+        small models here costs far less than the local steps (GPT-2 124M: ~1 GB in float64)."""
         if self.dtype == "model":
             return target
         dtype = getattr(torch, self.dtype)
