@@ -1,6 +1,6 @@
 """Why does DAGER recover only part of an eval-mode FedAvg update, and does the client's float32 matter?
 
-For the first updates of the issue-5 evaluation batch (transformer3, dropout 0.1 in the model but an
+For the first updates of an evaluation batch in the issue-5 setting (transformer3, dropout 0.1 in the model but an
 eval()-mode FedAvg client, n = 4 sequences of 16 tokens, lr 0.01), once with a float32 client and
 once with a float64 one (`FedAvgClient(dtype="float64")`), this prints per update:
 
@@ -12,14 +12,14 @@ once with a float64 one (`FedAvgClient(dtype="float64")`), this prints per updat
 * DAGER's result with the matrix's settings (`exact.Dager()`, thresholds 1e-2): sequences recovered
   exactly, the mode and reason, the first-layer candidates per position and its flags.
 
-Offline (the embedded corpus and tokenizer); CPU, about 1-2 min per update:
-    OMP_NUM_THREADS=2 python benchmarks/fedavg_dager_diagnostics.py --updates 4
+Offline (the embedded corpus and tokenizer); on one CPU thread under a minute per update
+(benchmarks/results/fedavg_dager_diagnostics_cpu.md):
+    OMP_NUM_THREADS=1 python benchmarks/fedavg_dager_diagnostics.py --updates 4
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
