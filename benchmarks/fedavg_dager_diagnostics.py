@@ -48,11 +48,16 @@ def observed_batch(dtype: str, epochs: int, minibatch: int, seed: int):
     return data.pipeline, batch
 
 
+def capped_basis(attack: Dager, gradient: torch.Tensor, ids: torch.Tensor):
+    """The span basis DAGER tests against: its numerical rank, capped at B x L directions as it does."""
+    basis = span_basis(gradient, attack.rank_tol, None, attack.dtype)
+    return basis.with_rank(min(basis.numerical_rank, ids.numel()))
+
+
 def true_token_distances(attack: Dager, target, update: dict, ids: torch.Tensor) -> tuple[float, float]:
     """(largest first-layer distance of the update's true tokens, median distance of the vocabulary)."""
     layers = attack.layers(target)
-    basis = span_basis(layers.first.input_space(update, attack.blocks), attack.rank_tol, None, attack.dtype)
-    basis = basis.with_rank(min(basis.numerical_rank, ids.numel()))  # DAGER's cap: B x L directions
+    basis = capped_basis(attack, layers.first.input_space(update, attack.blocks), ids)
     dist = token_distances(basis, layers.inputs, list(range(ids.shape[-1])), dtype=attack.dtype)  # (L, V)
     true = dist.gather(1, ids.T.to(dist.device))  # (L, n): position p, sequence s
     return float(true.max()), float(dist.median())
@@ -62,8 +67,7 @@ def true_sequence_distances(attack: Dager, target, update: dict, ids: torch.Tens
     """(n,) largest second-layer distance over each true sequence's positions (DAGER's second test,
     with its probe: block-1 inputs at the global weights against the layer-2 span, capped at B x L)."""
     layers = attack.layers(target)
-    basis = span_basis(layers.second.input_space(update, attack.blocks), attack.rank_tol, None, attack.dtype)
-    basis = basis.with_rank(min(basis.numerical_rank, ids.numel()))
+    basis = capped_basis(attack, layers.second.input_space(update, attack.blocks), ids)
     with torch.no_grad():
         return _SecondLayer(target, layers, basis, attack.token_budget).full(ids).max(dim=1).values
 

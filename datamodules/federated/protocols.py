@@ -157,7 +157,7 @@ class FedAvgClient(LocalSGD, ClientProtocol):  # LocalSGD first: its step counts
         updates, n, length = input_ids.shape
         if n != self.sequences_per_update:
             raise ValueError(f"batch has {n} sequences per update, client expects {self.sequences_per_update}")
-        sent_dtype = dict(target.named_parameters())[names[0]].dtype
+        sent_dtype = target.get_parameter(names[0]).dtype
         target = self._local_model(target)
         trained = self.trained_names(target, names, trainable)
         params = dict(target.named_parameters())
