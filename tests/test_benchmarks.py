@@ -1,20 +1,27 @@
 """Benchmarks that quote numbers in the docs: they run, and their derived columns follow from the measured ones."""
 
+import importlib.util
+
 import pytest
 
 from conftest import REPO
 
 
+def load_benchmark(name: str):
+    """benchmarks/<name>.py as a module (the folder is scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_update_scale_benchmark_prints_norm_ratios_that_follow_from_its_norms(monkeypatch, capsys):
     """benchmarks/update_scale.py builds a grid protocol's datamodule as `lti` does and measures its
     undefended updates; the ratio columns are the arithmetic of the printed norm and dimension."""
-    import importlib.util
     import math
 
     monkeypatch.chdir(REPO)
-    spec = importlib.util.spec_from_file_location("update_scale", REPO / "benchmarks" / "update_scale.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("update_scale")
     module.main(["--grid", "configs/matrix/issue5.yaml", "--protocols", "layer0_attn_out", "--updates", "2", "--sigma", "0.1"])
     row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| layer0_attn_out")]
     (cells,) = [[c.strip() for c in line.strip("|").split("|")] for line in row]
@@ -28,11 +35,7 @@ def test_update_scale_benchmark_prints_norm_ratios_that_follow_from_its_norms(mo
 def test_inverter_loss_benchmark_times_both_layouts_and_they_agree(capsys):
     """benchmarks/inverter_loss.py times the flat and the transposed cross-entropy layouts on the same
     logits; the two compute the same loss and logit gradient."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("inverter_loss", REPO / "benchmarks" / "inverter_loss.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("inverter_loss")
     rows = module.main(["--updates", "3", "--positions", "5", "--vocab", "101", "--repeats", "1"])
     assert [row["layout"] for row in rows] == list(module.LAYOUTS)
     assert all(row["seconds"] > 0 for row in rows)
@@ -48,17 +51,13 @@ def test_fedavg_dager_diagnostics_measure_zero_distances_for_the_truth_of_a_feds
     first-layer span and the true sequence's block-1 outputs in its second-layer span (distances ~1e-8:
     the loss is computed in float32), while the vocabulary's median is far away; one wrong token moves
     both distances up to that scale."""
-    import importlib.util
-
     import torch
 
     from datamodules.federated import FedSGDClient, UpdatePipeline
     from exact import Dager
     from lti.targets import Transformer3
 
-    spec = importlib.util.spec_from_file_location("fedavg_dager_diagnostics", REPO / "benchmarks" / "fedavg_dager_diagnostics.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("fedavg_dager_diagnostics")
     torch.manual_seed(0)
     target = Transformer3(vocab_size=300, hidden_size=32, num_heads=2, ffn_size=64, num_layers=2, max_positions=8).double().eval()
     pipeline = UpdatePipeline(target, FedSGDClient("eval", 1), hash_bins=16)
