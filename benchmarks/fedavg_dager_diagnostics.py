@@ -32,7 +32,7 @@ from datamodules.federated import FedAvgClient  # noqa: E402
 from datamodules.text_inversion import TextInversionDataModule  # noqa: E402
 from exact import Dager  # noqa: E402
 from exact.dager import _SecondLayer, span_basis, token_distances  # noqa: E402
-from lti.targets import Transformer3  # noqa: E402
+from datamodules.targets import Transformer3  # noqa: E402
 
 
 def observed_batch(dtype: str, epochs: int, minibatch: int, seed: int):

@@ -1,7 +1,7 @@
 """Seconds per inverter loss (forward + backward) for the two logits layouts of the cross-entropy.
 
 The inverter's logits are (U, P, V): U updates, P = sequences per update x sequence length
-positions, V tokens. `lti.metrics.position_loss` flattens them to (U * P, V) for `cross_entropy`;
+positions, V tokens. `lti.loss.position_loss` flattens them to (U * P, V) for `cross_entropy`;
 the alternative (used before) transposes them to (U, V, P), which puts the class dimension at a
 stride of P. Both give the same loss; this prints how long each takes, and the relative difference
 of their losses and logit gradients.
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch  # noqa: E402
 
-from lti.metrics import position_loss  # noqa: E402
+from lti.loss import position_loss  # noqa: E402
 
 
 def transposed_loss(logits: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -56,7 +56,7 @@ def match(truth, recovered):
 
 
 def text_row(args, attack, sequences=1):
-    from lti.targets import Transformer3
+    from datamodules.targets import Transformer3
 
     model = Transformer3()
     name = "encoder.layers.0.linear1"
@@ -82,7 +82,7 @@ def text_row(args, attack, sequences=1):
 
 def vision_row(args, attack, dataset, batch):
     from datamodules.vision import VisionClient, VisionFedAvgClient, VisionUpdatePipeline, load_vision_dataset
-    from lti.targets.vision import FCNN
+    from datamodules.targets.vision import FCNN
 
     data = load_vision_dataset(dataset)
     split = data.splits["test"]

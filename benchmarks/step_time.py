@@ -48,7 +48,7 @@ def main() -> None:
 
     from lightning.pytorch import LightningDataModule, LightningModule
 
-    from lti.cli import LTICLI, trainer_defaults
+    from lti.trainer_cli import LTICLI, trainer_defaults
 
     timer = StepTimer()
     cli_args = [arg for config in args.config for arg in ("--config", config)] + args.overrides + [

@@ -34,7 +34,7 @@ import torch  # noqa: E402
 def protocol_updates(grid, protocol, updates: int) -> torch.Tensor:
     """The undefended (U, D) updates of the first `updates` held-out clients under `protocol`."""
     from datamodules.text_inversion import TextInversionDataModule
-    from lti.cli import LTICLI, trainer_defaults
+    from lti.trainer_cli import LTICLI, trainer_defaults
     from lti.matrix import Entry, cell_commands
     from lti.module import InversionModule
 

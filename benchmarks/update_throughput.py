@@ -50,8 +50,8 @@ from datamodules.federated.client import (  # noqa: E402
     per_example_gradients_vmap,
 )
 from datamodules.federated.defenses import DPSGD, GaussianNoise, NoDefense, Sign, TopKPruning  # noqa: E402
-from lti.targets.base import next_token_loss  # noqa: E402
-from lti.targets.transformer3 import Transformer3  # noqa: E402
+from datamodules.targets.base import next_token_loss  # noqa: E402
+from datamodules.targets.transformer3 import Transformer3  # noqa: E402
 
 VARIANTS = ("loop", "fast", "vmap", "fast-grad", "ceiling", "post")
 DEFENSES = {

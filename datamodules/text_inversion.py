@@ -21,9 +21,9 @@ from datamodules.client_updates import ClientUpdates
 from datamodules.federated import ClientProtocol, Defense, FedSGDClient, NoDefense, ParameterSelection, UpdatePipeline
 from datamodules.text import EmbeddedCorpus, MarginalSampler, TextCorpus, load_tokenizer, pack_blocks, pack_lines, tokenize_splits
 from datamodules.text.pseudo import load_counts, token_counts
-from lti.inverters import InversionSpec
-from lti.registry import materialize
-from lti.targets import TargetLM, Transformer3
+from datamodules.inversion_spec import InversionSpec
+from datamodules.registry import materialize
+from datamodules.targets import TargetLM, Transformer3
 
 
 class PseudoUpdates(IterableDataset):

@@ -26,8 +26,8 @@ from torch.utils.data import DataLoader
 from datamodules.client_updates import ClientUpdates
 from datamodules.federated import Defense, NoDefense, ParameterSelection
 from datamodules.vision import VISION_DATASETS, VisionClient, VisionData, VisionUpdatePipeline, load_vision_dataset
-from lti.registry import materialize
-from lti.targets.vision import FCNN, VisionTarget
+from datamodules.registry import materialize
+from datamodules.targets.vision import FCNN, VisionTarget
 
 
 class ImageInversionDataModule(LightningDataModule):

@@ -507,7 +507,7 @@ class Dager:
         """Recover the sequences behind one client update.
 
         Args:
-            target: The global model (`lti.targets` model or a Hugging Face model).
+            target: The global model (`datamodules.targets` model or a Hugging Face model).
             update: {parameter name: gradient} of ONE client update (the mean over its sequences).
             batch_size: Sequences in the update (the client protocol, known to the server); None = unknown.
             max_length: Longest sequence length (the protocol's block length); None = the model's limit.

@@ -14,8 +14,8 @@ DAGER needs, for a target model:
 * optionally the final normalisation that feeds the vocabulary projection, whose gradient gives the
   last token of every sequence in next-token training (it is only ever a label, never an input).
 
-Supported: `lti.targets.Transformer3`, and Hugging Face GPT-2, BERT and Llama-family models (bare, or
-wrapped in any module, e.g. `lti.targets.HFCausalLM`). Plain PyTorch; no Lightning.
+Supported: `datamodules.targets.Transformer3`, and Hugging Face GPT-2, BERT and Llama-family models (bare, or
+wrapped in any module, e.g. `datamodules.targets.HFCausalLM`). Plain PyTorch; no Lightning.
 """
 
 from __future__ import annotations
@@ -442,7 +442,7 @@ _HF_ADAPTERS = {
 
 def find_layers(target: nn.Module) -> DagerLayers:
     """Locate everything DAGER needs in `target`; raises ValueError for unsupported architectures."""
-    from lti.targets.transformer3 import Transformer3
+    from datamodules.targets.transformer3 import Transformer3
 
     if isinstance(target, Transformer3):
         if len(target.encoder.layers) < 2:

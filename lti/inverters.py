@@ -7,22 +7,12 @@ positions and the vocabulary (so configs only carry the architecture's own sizes
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
-
-@dataclass
-class InversionSpec:
-    """What the data side tells the inverter about the problem."""
-
-    num_features: int  # k hashed features per update
-    num_positions: int  # P = sequences per update x sequence length
-    vocab_size: int  # V
-    embedding: Tensor  # (V, d) the global model's token embedding (known to the server)
-    token_counts: Tensor  # (V,) unigram counts of the server's data (auxiliary corpus)
+from datamodules.inversion_spec import InversionSpec
 
 
 class Inverter(nn.Module, ABC):

@@ -199,7 +199,7 @@ def _find(tree: Any, key: str) -> Any:
 
 def _run_lti(args: list[str], inline: bool, log, threads: int | None = None) -> None:
     if inline:
-        from lti.cli import run  # the caller's process: no interpreter or import start-up per cell
+        from lti.trainer_cli import run  # the caller's process: no interpreter or import start-up per cell
 
         argv, sys.argv = sys.argv, ["lti"]  # LightningCLI warns when it sees the grid's own arguments
         try:

@@ -1,6 +1,6 @@
 """The LightningModule: trains an inverter on hashed updates and evaluates its reconstructions.
 
-A thin wrapper: the inverter (`lti.inverters`), the metrics (`lti.metrics`) and everything about
+A thin wrapper: the inverter (`lti.inverters`), the metrics (`datamodules.metrics`) and everything about
 updates (`datamodules`) are plain PyTorch. One step function serves train/val/test; every stage has
 its own metric objects.
 """
@@ -16,8 +16,9 @@ from lightning.pytorch import LightningModule
 from torch import Tensor
 
 from lti.inverters import EmbeddingInverter, Inverter
-from lti.registry import materialize
-from lti.metrics import RougeScores, TokenAccuracy, position_loss, rouge_f, token_accuracy
+from datamodules.registry import materialize
+from datamodules.metrics import RougeScores, TokenAccuracy, rouge_f, token_accuracy
+from lti.loss import position_loss
 
 STAGES = ("train", "val", "test")
 

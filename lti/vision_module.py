@@ -14,22 +14,21 @@ grid (references on top, reconstructions below) under `<default_root_dir>/images
 from __future__ import annotations
 
 import math
-import struct
 import warnings
-import zlib
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
+from PIL import Image
 import torch
 from jsonargparse import lazy_instance
 from lightning.pytorch.loggers import WandbLogger
 from torch import Tensor, nn
 from torchmetrics import MeanMetric, MeanSquaredError
-from torchmetrics.image import StructuralSimilarityIndexMeasure
 
 from lti.module import STAGES, LearnedInversionModule
-from lti.registry import materialize
+from datamodules.metrics import discrete_accuracy, match_samples, psnr, ssim
+from datamodules.registry import materialize
 
 
 class ImageMLPInverter(nn.Module):
@@ -91,36 +90,6 @@ class ImageMLPInverter(nn.Module):
         if self.input_norm == "rms":
             x = x / x.pow(2).mean(dim=1, keepdim=True).sqrt().clamp_min(1e-12)
         return self.net(x).view(features.shape[0], *self.output_shape)
-
-
-def match_samples(preds: Tensor, targets: Tensor) -> Tensor:
-    """Reorder each update's m reconstructions to best match its references (Hungarian on per-sample MSE)."""
-    if preds.shape[1] == 1:
-        return preds
-    from scipy.optimize import linear_sum_assignment
-
-    cost = torch.cdist(preds.detach().flatten(2).float(), targets.flatten(2).float()).pow(2).cpu().numpy()
-    order = torch.empty(preds.shape[:2], dtype=torch.long)
-    for u in range(cost.shape[0]):
-        rows, cols = linear_sum_assignment(cost[u])  # prediction rows[i] -> reference cols[i]
-        order[u, torch.as_tensor(cols)] = torch.as_tensor(rows)
-    return preds.gather(1, order.to(preds.device).view(*order.shape, *[1] * (preds.dim() - 2)).expand_as(preds))
-
-
-def write_png(path: Path, image: np.ndarray) -> None:
-    """A (H, W) or (H, W, 3) uint8 array as a PNG file (zlib only, no imaging library needed)."""
-    if image.ndim == 2:
-        image = image[:, :, None]
-    height, width, channels = image.shape
-    colour = {1: 0, 3: 2}[channels]
-    raw = b"".join(b"\x00" + image[y].tobytes() for y in range(height))
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-
-    header = struct.pack(">IIBBBBB", width, height, 8, colour, 0, 0, 0)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
 
 
 def image_grid(references: Tensor, reconstructions: Tensor, min_size: int = 32) -> np.ndarray:
@@ -215,16 +184,15 @@ class ImageInversionModule(LearnedInversionModule):
         m = targets.shape[1]
         records: dict[str, Tensor] = {"mse": per_sample_mse}
         if self.data.kind == "image":
-            psnr = 10 * torch.log10(1.0 / per_sample_mse.clamp_min(1e-10))
-            ssim = self._ssim(flat_preds, flat_targets)
-            getattr(self, f"{stage}_psnr").update(psnr)
-            getattr(self, f"{stage}_ssim").update(ssim)
-            records.update(psnr=psnr, ssim=ssim)
+            image_psnr, image_ssim = psnr(per_sample_mse), ssim(flat_preds, flat_targets)
+            getattr(self, f"{stage}_psnr").update(image_psnr)
+            getattr(self, f"{stage}_ssim").update(image_ssim)
+            records.update(psnr=image_psnr, ssim=image_ssim)
             if self._grid is None and self.hparams.grid_samples > 0:
                 n = self.hparams.grid_samples
                 self._grid = (flat_targets[:n].cpu(), flat_preds[:n].cpu())
         else:
-            accuracy = self._discrete_accuracy(flat_preds, flat_targets)
+            accuracy = discrete_accuracy(flat_preds, flat_targets, [s for _, kind, s in self.data.table_columns if kind == "discrete"])
             getattr(self, f"{stage}_discrete_acc").update(accuracy)
             records["discrete_acc"] = accuracy
         for u in range(targets.shape[0]):
@@ -233,20 +201,6 @@ class ImageInversionModule(LearnedInversionModule):
                 "index": int(batch["index"][u]), "labels": batch["labels"][u].tolist(),
                 **{f"lti_{k}": float(v[part].mean()) for k, v in records.items()},
             })
-
-    @staticmethod
-    def _ssim(preds: Tensor, targets: Tensor) -> Tensor:
-        size = min(11, *(s if s % 2 else s - 1 for s in targets.shape[-2:]))
-        metric = StructuralSimilarityIndexMeasure(data_range=1.0, kernel_size=size, reduction="none").to(targets.device)
-        return metric(preds.float(), targets.float()).view(-1)
-
-    def _discrete_accuracy(self, preds: Tensor, targets: Tensor) -> Tensor:
-        """Fraction of discrete columns whose one-hot argmax is recovered, per row."""
-        columns = [s for _, kind, s in self.data.table_columns if kind == "discrete"]
-        if not columns:
-            return torch.ones(preds.shape[0], device=preds.device)
-        hits = torch.stack([preds[:, s].argmax(dim=1) == targets[:, s].argmax(dim=1) for s in columns], dim=1)
-        return hits.float().mean(dim=1)
 
     def predict_step(self, batch: dict, batch_idx: int) -> list[dict]:
         preds = self(batch["features"])
@@ -275,7 +229,8 @@ class ImageInversionModule(LearnedInversionModule):
         grid = image_grid(references, reconstructions)
         step = self.global_step or self._trained_steps  # validate/test from a checkpoint: its training steps
         path = Path(self.trainer.default_root_dir) / "images" / f"{stage}_step{step:06d}.png"
-        write_png(path, grid)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(grid).save(path)
         for logger in self.loggers:
             if isinstance(logger, WandbLogger):
                 try:

@@ -32,14 +32,14 @@ def _isolated_cache(tmp_path_factory):
 
 @pytest.fixture
 def tiny_transformer3():
-    from lti.targets import Transformer3
+    from datamodules.targets import Transformer3
 
     return Transformer3(vocab_size=300, hidden_size=16, num_heads=2, ffn_size=32, num_layers=2, max_positions=8)
 
 
 @pytest.fixture
 def tiny_gpt2():
-    from lti.targets import HFCausalLM
+    from datamodules.targets import HFCausalLM
 
     return HFCausalLM(architecture="gpt2", config=dict(
         n_layer=2, n_embd=32, n_head=2, vocab_size=300, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -66,7 +66,7 @@ def tiny_config(tmp_path: Path, corpus_files: dict[str, Path], **overrides) -> P
         },
         "model": {"inverter": {"class_path": "lti.inverters.EmbeddingInverter", "init_args": {"hidden": 32}}},
         "data": {
-            "target": {"class_path": "lti.targets.Transformer3", "init_args": {
+            "target": {"class_path": "datamodules.targets.Transformer3", "init_args": {
                 "hidden_size": 16, "num_heads": 2, "ffn_size": 32, "num_layers": 1, "max_positions": 8}},
             "corpus": {"class_path": "datamodules.text.LocalCorpus", "init_args": {
                 "auxiliary_files": [str(corpus_files["auxiliary"])], "evaluation_files": [str(corpus_files["evaluation"])]}},

@@ -2,8 +2,8 @@ import subprocess
 import sys
 
 PLAIN_MODULES = [
-    "lti.targets", "lti.inverters", "lti.metrics", "lti.registry",
-    "datamodules.federated", "datamodules.text", "lti.targets.vision", "datamodules.vision",
+    "datamodules.targets", "lti.inverters", "datamodules.metrics", "lti.loss", "datamodules.registry",
+    "datamodules.federated", "datamodules.text", "datamodules.targets.vision", "datamodules.vision",
     "exact", "exact.dager", "exact.spear", "lti.matrix",
 ]
 

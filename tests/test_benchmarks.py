@@ -55,7 +55,7 @@ def test_fedavg_dager_diagnostics_measure_zero_distances_for_the_truth_of_a_feds
 
     from datamodules.federated import FedSGDClient, UpdatePipeline
     from exact import Dager
-    from lti.targets import Transformer3
+    from datamodules.targets import Transformer3
 
     module = load_benchmark("fedavg_dager_diagnostics")
     torch.manual_seed(0)

@@ -1,6 +1,5 @@
 import json
 
-import numpy as np
 import pytest
 import torch
 
@@ -89,7 +88,7 @@ def test_pseudo_batches_are_fresh_and_differ_between_ranks():
 
 
 def _datamodule(corpus_files, **kwargs):
-    from lti.targets import Transformer3
+    from datamodules.targets import Transformer3
 
     target = Transformer3(hidden_size=16, num_heads=2, ffn_size=32, num_layers=1, max_positions=8)
     corpus = LocalCorpus([str(corpus_files["auxiliary"])], [str(corpus_files["evaluation"])])
@@ -128,7 +127,7 @@ def test_datamodule_rejects_bad_settings(corpus_files):
         _datamodule(corpus_files).__class__(target=_datamodule(corpus_files).target, seq_len=9)
     with pytest.raises(ValueError, match="training_data 'both' is not allowed"):
         _datamodule(corpus_files, training_data="both")
-    from lti.targets import Transformer3
+    from datamodules.targets import Transformer3
 
     small_vocab = Transformer3(vocab_size=1000, hidden_size=16, num_heads=2, ffn_size=16, num_layers=1, max_positions=8)
     with pytest.raises(ValueError, match="tokenizer 'embedded-gpt2' has 50257 tokens but the target model's vocabulary has 1000"):

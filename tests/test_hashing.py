@@ -7,7 +7,6 @@ import torch
 
 from datamodules.federated.hashing import (
     FeatureHasher, HashSpec, cache_dir, compute_buckets, hash_reference, load_or_compute_buckets, murmur3_32,
-    murmur3_32_scalar,
 )
 
 

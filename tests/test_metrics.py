@@ -2,7 +2,8 @@ import pytest
 import torch
 from rouge_score import rouge_scorer
 
-from lti.metrics import RougeScores, TokenAccuracy, position_loss, rouge_f, token_accuracy
+from datamodules.metrics import RougeScores, TokenAccuracy, rouge_f, token_accuracy
+from lti.loss import position_loss
 
 
 def test_token_accuracy_matches_a_manual_count_with_and_without_mask():

@@ -31,8 +31,8 @@ from datamodules.federated import (
 )
 from datamodules.federated.client import group_gradients, group_gradients_loop, group_gradients_vmap
 from datamodules.federated.defenses import Compose
-from lti.targets import HFCausalLM, Transformer3
-from lti.targets.base import next_token_loss
+from datamodules.targets import HFCausalLM, Transformer3
+from datamodules.targets.base import next_token_loss
 
 from conftest import relative_error
 
@@ -437,7 +437,7 @@ def test_presets_resolve_by_name_on_transformer3(tiny_transformer3):
 
 
 def test_presets_resolve_on_gpt2_llama_and_bert(tiny_gpt2):
-    from lti.targets.hf_encoder import HFEncoderLM
+    from datamodules.targets.hf_encoder import HFEncoderLM
 
     assert ParameterSelection(preset="layer1_attn_qkv").resolve(tiny_gpt2) == [
         "model.transformer.h.1.attn.c_attn.weight", "model.transformer.h.1.attn.c_attn.bias"]

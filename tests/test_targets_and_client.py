@@ -4,7 +4,7 @@ import torch
 from datamodules.federated import FedSGDClient, ParameterSelection, UpdatePipeline
 from datamodules.federated.client import per_example_gradients, per_example_gradients_loop
 from datamodules.federated.defenses import Sign
-from lti.targets import Transformer3
+from datamodules.targets import Transformer3
 
 from conftest import relative_error
 
@@ -78,7 +78,7 @@ def test_vmap_path_matches_loop_with_padding(tiny_gpt2):
 
 
 def test_client_modes_and_sequences_per_update(tiny_gpt2):
-    from lti.targets import HFCausalLM
+    from datamodules.targets import HFCausalLM
 
     dropout_model = HFCausalLM(architecture="gpt2", config=dict(n_layer=1, n_embd=32, n_head=2, vocab_size=300, n_positions=16, resid_pdrop=0.3))
     dropout_model.eval()

@@ -14,7 +14,7 @@ from datamodules.federated.client import (
 )
 from datamodules.federated.observed import ParameterSelection
 from datamodules.federated.transformer3_grads import transformer3_per_example_gradients
-from lti.targets.transformer3 import Transformer3
+from datamodules.targets.transformer3 import Transformer3
 
 VOCAB, LENGTH = 500, 7
 

@@ -14,7 +14,7 @@ from datamodules.federated import FeatureHasher, GaussianNoise, Sign
 from datamodules.vision import (
     VISION_DATASETS, VisionClient, VisionUpdatePipeline, load_vision_dataset, per_sample_gradients, per_sample_gradients_loop,
 )
-from lti.targets.vision import FCNN, LeNet, VISION_TARGETS
+from datamodules.targets.vision import FCNN, LeNet, VISION_TARGETS
 
 needs = lambda package: pytest.mark.skipif(importlib.util.find_spec(package) is None, reason=f"{package} not installed")  # noqa: E731
 
@@ -97,7 +97,7 @@ def test_vision_pieces_do_not_import_lightning():
     import subprocess
     import sys
 
-    code = ("import sys, lti.targets.vision, datamodules.vision\n"
+    code = ("import sys, datamodules.targets.vision, datamodules.vision\n"
             "assert not [m for m in sys.modules if m == 'lightning' or m.startswith('lightning.')]\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
@@ -162,7 +162,7 @@ def test_pipeline_applies_the_shared_defenses():
 
 
 def test_match_samples_undoes_a_permutation():
-    from lti.vision_module import match_samples
+    from datamodules.metrics import match_samples
 
     targets = torch.rand(2, 4, 1, 3, 3)
     preds = targets[:, [2, 0, 3, 1]] + 0.01
@@ -181,7 +181,7 @@ def _vision_config(tmp_path, **data_overrides) -> str:
             "grid_samples": 6}},
         "data": {"class_path": "datamodules.vision_inversion.ImageInversionDataModule", "init_args": {
             "dataset": "digits",
-            "target": {"class_path": "lti.targets.vision.FCNN", "init_args": {"input_shape": [1, 8, 8], "hidden": 16, "num_layers": 3}},
+            "target": {"class_path": "datamodules.targets.vision.FCNN", "init_args": {"input_shape": [1, 8, 8], "hidden": 16, "num_layers": 3}},
             "samples_per_update": 2, "batch_size": 4, "train_samples": 64, "eval_samples": 16, **data_overrides}},
         "checkpoint": {"dirpath": str(tmp_path / "ckpt")},
         "results": {"print_table": False},
@@ -252,7 +252,7 @@ def test_vision_data_module_rejects_a_target_of_another_shape(tmp_path, capsys):
 def test_table_lti_reports_discrete_accuracy(tmp_path):
     from lti.cli import main
 
-    target = {"class_path": "lti.targets.vision.FCNN", "init_args": {"input_shape": [104], "num_classes": 2, "hidden": 16, "num_layers": 3}}
+    target = {"class_path": "datamodules.targets.vision.FCNN", "init_args": {"input_shape": [104], "num_classes": 2, "hidden": 16, "num_layers": 3}}
     main(["validate", "--config", _vision_config(tmp_path, dataset="adult", target=target, samples_per_update=1)])
     metrics = json.loads((tmp_path / "run" / "val_metrics.json").read_text())["metrics"]
     assert 0.0 <= metrics["val/lti/discrete_acc"] <= 1.0 and "val/lti/psnr" not in metrics

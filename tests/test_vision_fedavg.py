@@ -12,7 +12,7 @@ import torch
 
 from datamodules.federated import DPSGD, Sign
 from datamodules.vision import VisionClient, VisionFedAvgClient, VisionUpdatePipeline
-from lti.targets.vision import FCNN
+from datamodules.targets.vision import FCNN
 
 needs_sklearn = pytest.mark.skipif(importlib.util.find_spec("sklearn") is None, reason="sklearn not installed")
 
@@ -171,7 +171,7 @@ def _config(tmp_path, client, **data):
             "inverter": {"class_path": "lti.vision_module.ImageMLPInverter", "init_args": {"hidden": 32}}, "grid_samples": 4}},
         "data": {"class_path": "datamodules.vision_inversion.ImageInversionDataModule", "init_args": {
             "dataset": "digits",
-            "target": {"class_path": "lti.targets.vision.FCNN", "init_args": {"input_shape": [1, 8, 8], "hidden": 64, "num_layers": 3}},
+            "target": {"class_path": "datamodules.targets.vision.FCNN", "init_args": {"input_shape": [1, 8, 8], "hidden": 64, "num_layers": 3}},
             "client": {"class_path": "datamodules.vision.VisionFedAvgClient", "init_args": client},
             "batch_size": 4, "train_samples": 64, "eval_samples": 16, **data}},
         "checkpoint": {"dirpath": str(tmp_path / "ckpt")},

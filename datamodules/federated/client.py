@@ -39,9 +39,9 @@ from datamodules.federated.defenses import Defense, NoDefense
 from datamodules.federated.local_sgd import SingleStep
 from datamodules.federated.observed import ParameterSelection
 from datamodules.federated.transformer3_grads import engine_supports, transformer3_per_example_gradients
-from lti.targets.base import TargetLM, next_token_loss
-from lti.registry import Registry
-from lti.targets.transformer3 import Transformer3
+from datamodules.targets.base import TargetLM, next_token_loss
+from datamodules.registry import Registry
+from datamodules.targets.transformer3 import Transformer3
 
 
 class _BodyThenHead(nn.Module):

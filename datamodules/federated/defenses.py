@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from datamodules.federated.accounting import ACCOUNTANTS, dp_epsilon
-from lti.registry import Registry
+from datamodules.registry import Registry
 
 DEFENSES: Registry["Defense"] = Registry("defense")
 

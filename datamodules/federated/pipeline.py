@@ -13,7 +13,7 @@ from datamodules.federated.client import ClientProtocol, FedSGDClient
 from datamodules.federated.defenses import Defense, NoDefense
 from datamodules.federated.hashing import FeatureHasher, HashSpec
 from datamodules.federated.observed import ParameterSelection
-from lti.targets.base import TargetLM
+from datamodules.targets.base import TargetLM
 
 
 def target_fingerprint(target: nn.Module) -> str:

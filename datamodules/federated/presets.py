@@ -97,7 +97,7 @@ _PRESET = re.compile(r"^layer(\d+)_([a-z_]+)$")
 
 def architecture_of(model: nn.Module) -> str:
     """`transformer3`, or the Hugging Face `model_type` of the wrapped model (gpt2, llama, bert ...)."""
-    from lti.targets.transformer3 import Transformer3
+    from datamodules.targets.transformer3 import Transformer3
 
     if isinstance(model, Transformer3):
         return "transformer3"

@@ -46,7 +46,7 @@ from datamodules.federated.defenses import Defense, NoDefense
 from datamodules.federated.local_sgd import LocalSGD
 from datamodules.federated.observed import ParameterSelection
 from datamodules.federated.presets import LORA_TARGETS, architecture_of
-from lti.targets.base import TargetLM
+from datamodules.targets.base import TargetLM
 
 __all__ = ["CLIENT_PROTOCOLS", "ClientProtocol", "FedSGDClient", "FedAvgClient", "LoRAClient"]
 

@@ -46,7 +46,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from lti.targets.transformer3 import Transformer3
+from datamodules.targets.transformer3 import Transformer3
 
 #: Logit elements per chunk of the head (fp32: 16 MiB, cache-sized): bounds the head's memory for large
 #: batches while keeping every matmul large.

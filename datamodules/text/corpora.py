@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 from datamodules.federated.hashing import cache_dir
-from lti.registry import Registry
+from datamodules.registry import Registry
 
 CORPORA: Registry["TextCorpus"] = Registry("corpus")
 SPLITS = ("auxiliary", "evaluation")

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lti.registry import Registry
+from datamodules.registry import Registry
 
 VISION_DATASETS: Registry["VisionSource"] = Registry("vision data set")
 SPLITS = ("train", "val", "test")

@@ -24,7 +24,7 @@ from datamodules.federated.defenses import Defense, NoDefense
 from datamodules.federated.local_sgd import LocalSGD, SingleStep
 from datamodules.federated.observed import ParameterSelection
 from datamodules.federated.pipeline import HashedObservation, ObservedUpdates
-from lti.targets.vision import VisionTarget
+from datamodules.targets.vision import VisionTarget
 
 
 def classification_loss(logits: Tensor, labels: Tensor) -> Tensor:

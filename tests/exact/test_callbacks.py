@@ -54,7 +54,7 @@ def test_fedavg_updates_are_attacked_as_pseudo_gradients_with_looser_thresholds(
     from datamodules.federated import FedAvgClient, UpdatePipeline
     from exact.callbacks import DagerCallback
     from exact.dager import Dager
-    from lti.targets import Transformer3
+    from datamodules.targets import Transformer3
 
     torch.manual_seed(0)
     client = FedAvgClient(mode="eval", sequences_per_update=4, local_epochs=2, minibatch_size=2, lr=0.01)

