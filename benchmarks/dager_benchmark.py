@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from datamodules.federated import (  # noqa: E402
-    DPSGD, FedSGDClient, GaussianNoise, NoDefense, ParameterSelection, Sign, TopKPruning, UpdatePipeline,
+    DPSGD, FedSGDClient, GaussianNoise, Hashing, NoDefense, ParameterSelection, Sign, TopKPruning, UpdatePipeline,
 )
 from exact import Dager, find_layers  # noqa: E402
 from datamodules.metrics import score_batch  # noqa: E402
@@ -265,8 +265,8 @@ def run_row(row: Row, data: dict, tokenizer, generator: torch.Generator) -> dict
     else:  # what DAGER reads; the other observed coordinates do not change a defense-free update
         observed = ParameterSelection(include=layers.observed_names())
     pipeline = UpdatePipeline(
-        target, FedSGDClient(mode=row.mode, sequences_per_update=row.batch_size), make_defense(row.defense),
-        observed, hash_bins=1,
+        target, client=FedSGDClient(mode=row.mode, samples_per_update=row.batch_size), defense=make_defense(row.defense),
+        observed=observed, hashing=Hashing(bins=1),
     )
     metrics, seconds, peaks, client_s = [], [], [], []
     for _ in range(row.batches):
@@ -274,7 +274,7 @@ def run_row(row: Row, data: dict, tokenizer, generator: torch.Generator) -> dict
         ctx.offset += row.batch_size
         ids, mask = batch_of(seqs, ctx.pad_id)
         t0 = time.perf_counter()
-        observed_update = pipeline(ids, mask, keep_update=True, generator=generator)
+        observed_update = pipeline({"input_ids": ids, "attention_mask": mask}, keep_update=True, generator=generator)
         client_s.append(time.perf_counter() - t0)
         update = {name: grads[0] for name, grads in pipeline.split(observed_update.update).items()}
         with PeakRSS() as mem:

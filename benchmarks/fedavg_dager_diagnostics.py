@@ -31,7 +31,8 @@ sys.path.insert(0, str(ROOT))
 from datamodules.federated import FedAvgClient  # noqa: E402
 from datamodules.text_inversion import TextInversionDataModule  # noqa: E402
 from exact import Dager  # noqa: E402
-from exact.dager import _SecondLayer, span_basis, token_distances  # noqa: E402
+from exact.dager import span_basis, token_distances  # noqa: E402
+from exact.dager.probe import _SecondLayer  # noqa: E402
 from datamodules.targets import Transformer3  # noqa: E402
 
 

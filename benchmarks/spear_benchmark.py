@@ -1,7 +1,7 @@
 """SPEAR on real client updates: transformer3's first FFN, and the FCNN's first layer on digits, MNIST 5k, Adult.
 
 Each row attacks `--batches` client updates (FedSGD, eval-mode client, no defense) computed by the
-project's own pipelines (`UpdatePipeline` for text, `VisionUpdatePipeline` for images/tables), observing
+project's own pipelines (`UpdatePipeline`, with the next-token loss for text and the classification loss for images/tables), observing
 only the attacked layer (partial observation by name). Reported per row: updates certified exact by
 SPEAR's sparsity-matching certificate, true layer-input rows recovered (best cosine > 0.999), PSNR on
 certified image batches (inputs in [0, 1]), discrete accuracy (argmax per one-hot group) and the mean
@@ -11,7 +11,7 @@ absolute error of continuous columns in original units for Adult, and seconds pe
         --batches 10 --out benchmarks/results/spear_cpu.md
 
 A row is `name` or `name:B` (B = samples per client update; for transformer3, B = 16-token sequences,
-default 1). `--prior` guides SPEAR with the server's auxiliary data (see `Spear._guided`).
+default 1). `--prior` guides SPEAR with the server's auxiliary data (see `exact.spear.prior.guided`).
 
 `--fedavg E:b:lr` makes the image/table clients FedAvg clients (`VisionFedAvgClient`: E local epochs
 over their B samples in minibatches of b, SGD with lr, the whole model trained, eval mode); SPEAR
@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from datamodules.federated import FedSGDClient, ParameterSelection, UpdatePipeline  # noqa: E402
+from datamodules.federated import ClassificationLoss, FedAvgClient, FedSGDClient, Hashing, ParameterSelection, UpdatePipeline  # noqa: E402
 from exact.spear import Spear, relu_linear_layer  # noqa: E402
 
 
@@ -61,11 +61,11 @@ def text_row(args, attack, sequences=1):
     model = Transformer3()
     name = "encoder.layers.0.linear1"
     layer = relu_linear_layer(model, name)
-    pipeline = UpdatePipeline(model, client=FedSGDClient(mode="eval", sequences_per_update=sequences),
-                              observed=ParameterSelection(include=[f"{name}.*"]), hash_bins=64)
+    pipeline = UpdatePipeline(model, client=FedSGDClient(mode="eval", samples_per_update=sequences),
+                              observed=ParameterSelection(include=[f"{name}.*"]), hashing=Hashing(bins=64))
     gen = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, model.vocab_size, (args.batches, sequences, 16), generator=gen)  # random 16-token sequences
-    parts = pipeline.split(pipeline(ids, keep_update=True).update)
+    parts = pipeline.split(pipeline({"input_ids": ids}, keep_update=True).update)
     # The prior: layer inputs of other random sequences (the client data are random tokens too).
     prior = layer_inputs(model, layer, torch.randint(0, model.vocab_size, (256, 16), generator=gen)) if args.prior else None
     records = []
@@ -81,7 +81,7 @@ def text_row(args, attack, sequences=1):
 
 
 def vision_row(args, attack, dataset, batch):
-    from datamodules.vision import VisionClient, VisionFedAvgClient, VisionUpdatePipeline, load_vision_dataset
+    from datamodules.vision import load_vision_dataset
     from datamodules.targets.vision import FCNN
 
     data = load_vision_dataset(dataset)
@@ -91,11 +91,12 @@ def vision_row(args, attack, dataset, batch):
     layer = relu_linear_layer(model, name)
     if args.fedavg:
         epochs, minibatch, lr = args.fedavg.split(":")
-        client = VisionFedAvgClient(batch, local_epochs=int(epochs), minibatch_size=int(minibatch), lr=float(lr),
+        client = FedAvgClient(samples_per_update=batch, local_epochs=int(epochs), minibatch_size=int(minibatch), lr=float(lr),
                                     trainable=["*"], mode="eval", dtype=args.client_dtype)
     else:
-        client = VisionClient(samples_per_update=batch, mode="eval")
-    pipeline = VisionUpdatePipeline(model, client, observed=ParameterSelection(include=[f"{name}.*"]), hash_bins=64)
+        client = FedSGDClient(samples_per_update=batch, mode="eval")
+    pipeline = UpdatePipeline(model, client, observed=ParameterSelection(include=[f"{name}.*"]), hashing=Hashing(bins=64),
+                              loss=ClassificationLoss())
     gen = torch.Generator().manual_seed(args.seed)
     # Disjoint batches while the split allows it, else independent random batches (distinct samples within each).
     if args.batches * batch <= len(split):
@@ -104,7 +105,7 @@ def vision_row(args, attack, dataset, batch):
         order = torch.stack([torch.randperm(len(split), generator=gen)[:batch] for _ in range(args.batches)])
     inputs, labels = split.inputs[order], split.labels[order]
     # FedSGD: the gradient; FedAvg: the pseudo-gradient delta / (steps x lr), as the exact-attack callbacks do.
-    parts = pipeline.split(pipeline(inputs, labels, keep_update=True).update * client.gradient_scale())
+    parts = pipeline.split(pipeline({"inputs": inputs, "labels": labels}, keep_update=True).update * client.gradient_scale())
     # The server's auxiliary data (the train split; the attacked updates come from the test split),
     # flattened: the first layer's inputs. Only with --prior.
     prior = data.splits["train"].inputs.reshape(len(data.splits["train"]), -1) if args.prior else None

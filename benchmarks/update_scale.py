@@ -51,9 +51,8 @@ def protocol_updates(grid, protocol, updates: int) -> torch.Tensor:
     data.prepare_data()
     data.setup("test")
     batch = next(iter(data.test_dataloader()))
-    mask = None if data.packing == "blocks" else batch["attention_mask"]
     torch.manual_seed(0)  # dropout masks and FedAvg shuffling
-    return data.pipeline(batch["input_ids"], mask, keep_update=True).update
+    return data.pipeline(data.client_batch(batch), keep_update=True).update
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -41,10 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch  # noqa: E402
 
-import datamodules.federated.client as client_module  # noqa: E402
-from datamodules.federated import UpdatePipeline  # noqa: E402
-from datamodules.federated.client import (  # noqa: E402
-    FedSGDClient,
+import datamodules.federated.engines.next_token as engine_module  # noqa: E402
+from datamodules.federated import FedSGDClient, UpdatePipeline  # noqa: E402
+from datamodules.federated.engines.next_token import (  # noqa: E402
     per_example_gradients,
     per_example_gradients_loop,
     per_example_gradients_vmap,
@@ -109,14 +108,15 @@ def memory_now(device: str) -> float:
 def worker(args) -> dict:
     variant = args.worker
     if variant == "vmap":
-        # Force the generic path: FedSGDClient looks `per_example_gradients` up in its module at call
-        # time, so in this (throw-away) worker process we point that name at the vmap implementation.
-        client_module.per_example_gradients = per_example_gradients_vmap
+        # Force the generic path: the next-token loss looks `per_example_gradients` up in its engine
+        # module at call time, so in this (throw-away) worker process we point that name at the vmap
+        # implementation.
+        engine_module.per_example_gradients = per_example_gradients_vmap
     target, pipeline, ids = build(args, implementation="loop" if variant == "loop" else "vmap")
     flat = ids.view(-1, SEQ_LEN)
     generator = torch.Generator(device=args.device).manual_seed(1)
     if variant in ("loop", "fast", "vmap"):
-        step = lambda: pipeline(ids, generator=generator).features  # noqa: E731
+        step = lambda: pipeline({"input_ids": ids}, generator=generator).features  # noqa: E731
     elif variant == "fast-grad":
         target.train()
         step = lambda: per_example_gradients(target, pipeline.names, flat)  # noqa: E731

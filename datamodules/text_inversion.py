@@ -13,12 +13,11 @@ from typing import Literal
 
 import torch
 from jsonargparse import lazy_instance
-from lightning.pytorch import LightningDataModule
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 
-from datamodules.client_updates import ClientUpdates
-from datamodules.federated import ClientProtocol, Defense, FedSGDClient, NoDefense, ParameterSelection, UpdatePipeline
+from datamodules.federated import ClientProtocol, Defense, FedSGDClient, Hashing, NextTokenLoss, NoDefense, ParameterSelection
+from datamodules.inversion_data import InversionDataModule, check_sizes
 from datamodules.text import EmbeddedCorpus, MarginalSampler, TextCorpus, load_tokenizer, pack_blocks, pack_lines, tokenize_splits
 from datamodules.text.pseudo import load_counts, token_counts
 from datamodules.inversion_spec import InversionSpec
@@ -51,7 +50,7 @@ class PseudoUpdates(IterableDataset):
             yield {"input_ids": ids, "attention_mask": torch.ones_like(ids), "index": torch.full((self.updates,), -1)}
 
 
-class TextInversionDataModule(LightningDataModule):
+class TextInversionDataModule(InversionDataModule):
     def __init__(
         self,
         target: TargetLM = lazy_instance(Transformer3),
@@ -101,7 +100,7 @@ class TextInversionDataModule(LightningDataModule):
             batch_size: Client updates per batch.
             train_samples: Use at most this many auxiliary samples (None: all).
             eval_samples: Evaluate on the first this many held-out samples (sequences; grouped into
-                updates of `client.sequences_per_update`) (None: all; paper: 1000).
+                updates of `client.samples_per_update`) (None: all; paper: 1000).
             pseudo_batches_per_epoch: LTI-P batches per epoch (default: as many as auxiliary batches).
             keep_eval_updates: Put the defended update into evaluation batches (needed by exact attacks).
             num_workers: DataLoader workers (the update computation itself runs in the main process).
@@ -112,39 +111,30 @@ class TextInversionDataModule(LightningDataModule):
             raise ValueError(f"training_data {training_data!r} is not allowed; use 'auxiliary' (LTI) or 'pseudo' (LTI-P)")
         if packing not in ("blocks", "lines"):
             raise ValueError(f"packing {packing!r} is not allowed; use 'blocks' or 'lines'")
-        if batch_size < 1:
-            raise ValueError(f"batch_size={batch_size} must be >= 1")
-        for name, value in (("eval_samples", eval_samples), ("train_samples", train_samples)):
-            if value is not None and value < 1:
-                raise ValueError(f"{name}={value} must be >= 1 or null")
+        check_sizes(batch_size, train_samples, eval_samples)
         target, corpus, client, defense, observed = map(materialize, (target, corpus, client, defense, observed))
-        self.target = target
-        self.target.check_sequence_length(seq_len)
+        target.check_sequence_length(seq_len)
         self.tokenizer = load_tokenizer(tokenizer)
-        if len(self.tokenizer) > self.target.vocab_size:
+        if len(self.tokenizer) > target.vocab_size:
             raise ValueError(
                 f"tokenizer {tokenizer!r} has {len(self.tokenizer)} tokens but the target model's vocabulary has "
-                f"{self.target.vocab_size}; use a matching tokenizer or target vocab_size"
+                f"{target.vocab_size}; use a matching tokenizer or target vocab_size"
             )
         self.corpus = corpus
         self.training_data, self.marginal_file = training_data, marginal_file
         self.seq_len, self.packing = seq_len, packing
-        self.client = client
-        self.pipeline = UpdatePipeline(
-            self.target, self.client, defense, observed,
-            hash_fraction=hash_fraction, hash_bins=hash_bins, hash_seed=hash_seed, hash_signed=hash_signed,
+        self._build_pipeline(
+            target, NextTokenLoss(), client, defense, observed, Hashing(hash_fraction, hash_bins, hash_seed, hash_signed),
+            batch_size, train_samples, eval_samples, keep_eval_updates, num_workers, seed,
         )
-        self.target = self.pipeline.target  # the protocol's view of the global model (LoRA: with adapters)
-        self.batch_size, self.train_samples, self.eval_samples = batch_size, train_samples, eval_samples
-        self.pseudo_batches_per_epoch, self.keep_eval_updates = pseudo_batches_per_epoch, keep_eval_updates
-        self.num_workers, self.seed = num_workers, seed
-        self._splits: dict[str, ClientUpdates] | None = None
+        self.pseudo_batches_per_epoch = pseudo_batches_per_epoch
         self._counts: Tensor | None = None
 
     # ---------------------------------------------------------------- data preparation
     @property
     def sequences_per_update(self) -> int:
-        return self.client.sequences_per_update
+        """m: a text client's samples are sequences."""
+        return self.samples_per_update
 
     def _samples(self, tokenized) -> tuple[Tensor, Tensor]:
         if self.packing == "blocks":
@@ -152,17 +142,8 @@ class TextInversionDataModule(LightningDataModule):
             return ids, torch.ones_like(ids)
         return pack_lines(tokenized, self.seq_len, self.tokenizer.pad_token_id)
 
-    def _as_updates(self, ids: Tensor, mask: Tensor, limit: int | None, shuffle: bool) -> ClientUpdates:
-        if shuffle:  # group random sequences into updates, fixed once by the seed
-            order = torch.randperm(ids.shape[0], generator=torch.Generator().manual_seed(self.seed))
-            ids, mask = ids[order], mask[order]
-        if limit is not None:
-            ids, mask = ids[:limit], mask[:limit]
-        m = self.sequences_per_update
-        usable = ids.shape[0] // m * m
-        if usable == 0:
-            raise ValueError(f"only {ids.shape[0]} samples of {self.seq_len} tokens: too few for one update of {m}")
-        return ClientUpdates(input_ids=ids[:usable].view(-1, m, self.seq_len), attention_mask=mask[:usable].view(-1, m, self.seq_len))
+    def _sample_unit(self) -> str:
+        return f" of {self.seq_len} tokens"
 
     def prepare_data(self) -> None:
         self.corpus.load()  # downloads (hub) or extracts (embedded) once, on one process
@@ -176,8 +157,8 @@ class TextInversionDataModule(LightningDataModule):
         if aux_ids.shape[0] == 0 or eval_ids.shape[0] == 0:
             raise ValueError(f"the corpus yields no sample of {self.seq_len} tokens in one of its splits")
         self._splits = {
-            "auxiliary": self._as_updates(aux_ids, aux_mask, self.train_samples, shuffle=True),
-            "evaluation": self._as_updates(eval_ids, eval_mask, self.eval_samples, shuffle=False),
+            "auxiliary": self._as_updates(self.train_samples, True, input_ids=aux_ids, attention_mask=aux_mask),
+            "evaluation": self._as_updates(self.eval_samples, False, input_ids=eval_ids, attention_mask=eval_mask),
         }
         vocab = self.target.vocab_size
         self._counts = (
@@ -202,45 +183,28 @@ class TextInversionDataModule(LightningDataModule):
             token_counts=self._counts,
         )
 
-    def auxiliary_inputs(self, limit: int) -> Tensor:
-        """Up to `limit` of the server's auxiliary sequences (N, seq_len): model inputs an exact attack may
-        use as a prior (never evaluation data)."""
-        if self._splits is None:
-            raise RuntimeError("call setup() before asking for auxiliary inputs")
-        return self._splits["auxiliary"].fields["input_ids"].reshape(-1, self.seq_len)[:limit]
-
     # ---------------------------------------------------------------- loaders
     def _rank(self) -> int:
         return self.trainer.global_rank if self.trainer is not None else 0
 
     def train_dataloader(self) -> DataLoader:
+        if self.training_data != "pseudo":
+            return super().train_dataloader()
         aux = self._splits["auxiliary"]
-        if self.training_data == "pseudo":
-            batches = self.pseudo_batches_per_epoch or max(1, len(aux) // self.batch_size)
-            world = self.trainer.world_size if self.trainer is not None else 1
-            pseudo = PseudoUpdates(
-                MarginalSampler(self._counts), max(1, batches // world), self.batch_size,
-                self.sequences_per_update, self.seq_len, self.seed, self._rank(),
-            )
-            return DataLoader(pseudo, batch_size=None, num_workers=self.num_workers)
-        return DataLoader(aux, batch_size=self.batch_size, shuffle=True, drop_last=True, num_workers=self.num_workers)
-
-    def _eval_loader(self) -> DataLoader:
-        return DataLoader(self._splits["evaluation"], batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
-
-    val_dataloader = test_dataloader = predict_dataloader = _eval_loader
+        batches = self.pseudo_batches_per_epoch or max(1, len(aux) // self.batch_size)
+        world = self.trainer.world_size if self.trainer is not None else 1
+        pseudo = PseudoUpdates(
+            MarginalSampler(self._counts), max(1, batches // world), self.batch_size,
+            self.sequences_per_update, self.seq_len, self.seed, self._rank(),
+        )
+        return DataLoader(pseudo, batch_size=None, num_workers=self.num_workers)
 
     # ---------------------------------------------------------------- the server's observation
-    def on_after_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
-        ids = batch["input_ids"]
-        self.pipeline.to(ids.device)
-        training = self.trainer is not None and self.trainer.training
-        mask = None if self.packing == "blocks" else batch["attention_mask"]
-        observed = self.pipeline(ids, mask, keep_update=self.keep_eval_updates and not training)
-        batch["features"] = observed.features
-        if observed.update is not None:
-            batch["update"] = observed.update
-        return batch
+    def client_batch(self, batch: dict) -> dict[str, Tensor]:
+        fields = super().client_batch(batch)
+        if self.packing == "blocks":  # every token is real: no mask (the engines' faster path)
+            fields.pop("attention_mask", None)
+        return fields
 
     def decode(self, ids: Tensor, mask: Tensor | None = None) -> list[str]:
         """(U, m*L) token ids -> U texts (the m sequences of an update joined by newlines)."""
@@ -255,21 +219,5 @@ class TextInversionDataModule(LightningDataModule):
             texts.append("\n".join(parts))
         return texts
 
-    def describe(self) -> dict:
-        """JSON-safe summary of the threat model, saved with checkpoints and results."""
-        setting = {
-            "target": type(self.target).__name__,
-            "client": self.client.describe(),
-            "defense": self.pipeline.defense.describe(),
-            "observed_parameters": len(self.pipeline.names),
-            "observed_dim": self.pipeline.observed_dim,
-            "hash_bins": self.pipeline.spec.num_bins,
-            "training_data": self.training_data,
-            "seq_len": self.seq_len,
-            "sequences_per_update": self.sequences_per_update,
-        }
-        # DP-SGD reports its (epsilon, delta) for one client's local steps under this protocol.
-        privacy = self.pipeline.defense.privacy(*self.client.privacy_steps())
-        if privacy is not None:
-            setting["privacy"] = privacy
-        return setting
+    def _describe_data(self) -> dict:
+        return {"training_data": self.training_data, "seq_len": self.seq_len, "sequences_per_update": self.sequences_per_update}

@@ -1,7 +1,8 @@
 """The LightningDataModule of image/table inversion: data set -> client updates -> defense -> hashed features.
 
 The image counterpart of `TextInversionDataModule`: it owns everything the server knows (global
-model, client protocol, defense, hasher) in `pipeline` (a `VisionUpdatePipeline`) and computes the
+model, client protocol, defense, hasher) in `pipeline` (the `UpdatePipeline` with the classification
+loss) and computes the
 observed updates on the batch's device in `on_after_batch_transfer`. Training batches are the
 server's auxiliary data (the data set's `train` split); validation and test batches are held-out
 client data (`val` / `test` splits) and additionally carry the defended update (`batch["update"]`)
@@ -17,27 +18,26 @@ from __future__ import annotations
 
 from typing import Literal
 
-import torch
 from jsonargparse import lazy_instance
-from lightning.pytorch import LightningDataModule
-from torch import Tensor
-from torch.utils.data import DataLoader
 
-from datamodules.client_updates import ClientUpdates
-from datamodules.federated import Defense, NoDefense, ParameterSelection
-from datamodules.vision import VISION_DATASETS, VisionClient, VisionData, VisionUpdatePipeline, load_vision_dataset
+from datamodules.federated import ClassificationLoss, ClientProtocol, Defense, FedSGDClient, Hashing, NoDefense, ParameterSelection
+from datamodules.inversion_data import InversionDataModule, check_sizes
+from datamodules.vision import VISION_DATASETS, VisionData, load_vision_dataset
 from datamodules.registry import materialize
 from datamodules.targets.vision import FCNN, VisionTarget
 
 
-class ImageInversionDataModule(LightningDataModule):
+class ImageInversionDataModule(InversionDataModule):
+    train_split = "train"
+    eval_splits = {"val": "val", "test": "test"}
+
     def __init__(
         self,
         dataset: str = "digits",
         target: VisionTarget = lazy_instance(FCNN, input_shape=(1, 8, 8)),
         samples_per_update: int = 1,
         client_mode: Literal["train", "eval"] = "train",
-        client: VisionClient | None = None,
+        client: ClientProtocol | None = None,
         defense: Defense = lazy_instance(NoDefense),
         observed: ParameterSelection = lazy_instance(ParameterSelection),
         hash_fraction: float = 0.1,
@@ -59,7 +59,7 @@ class ImageInversionDataModule(LightningDataModule):
                 6-layer ReLU FCNN for 8x8 digits). The paper's LTI setting is `LeNet` on CIFAR-10.
             samples_per_update: Labelled samples m in one client update (FedSGD: mean gradient over m).
             client_mode: `train` or `eval` mode of the target while the client computes its gradient.
-            client: The client protocol, when not FedSGD: e.g. `VisionFedAvgClient` (E local epochs of
+            client: The client protocol, when not FedSGD: e.g. `FedAvgClient` (E local epochs of
                 SGD, sends the weight delta). It carries its own samples per update and mode; leave
                 `samples_per_update` and `client_mode` at their defaults or equal to its values.
             defense: Client-side defense (default: none); the same registry as for text.
@@ -76,38 +76,27 @@ class ImageInversionDataModule(LightningDataModule):
             seed: Seed of the grouping of auxiliary samples into updates.
         """
         super().__init__()
-        if batch_size < 1:
-            raise ValueError(f"batch_size={batch_size} must be >= 1")
-        for name, value in (("eval_samples", eval_samples), ("train_samples", train_samples)):
-            if value is not None and value < 1:
-                raise ValueError(f"{name}={value} must be >= 1 or null")
+        check_sizes(batch_size, train_samples, eval_samples)
         VISION_DATASETS.get(dataset)  # an unknown name fails here, listing the allowed ones
         target, defense, observed = map(materialize, (target, defense, observed))
         self.dataset_name = dataset
-        self.target = target
         client = materialize(client)
-        if client is None:
-            client = VisionClient(samples_per_update, mode=client_mode)
+        # jsonargparse carries a compatible `client` over from the default (text) DataModule when a
+        # config switches `data.class_path`: a default FedSGD client counts as "not given".
+        if client is None or (type(client) is FedSGDClient and client.describe() == FedSGDClient().describe()):
+            client = FedSGDClient(client_mode, samples_per_update)
         elif samples_per_update not in (1, client.samples_per_update) or client_mode not in ("train", client.mode):
             raise ValueError(
                 f"samples_per_update={samples_per_update} / client_mode={client_mode!r} disagree with the client "
                 f"{client!r}; set them on the client only"
             )
-        self.client = client
-        self.pipeline = VisionUpdatePipeline(
-            target, self.client, defense, observed,
-            hash_fraction=hash_fraction, hash_bins=hash_bins, hash_seed=hash_seed, hash_signed=hash_signed,
+        self._build_pipeline(
+            target, ClassificationLoss(), client, defense, observed, Hashing(hash_fraction, hash_bins, hash_seed, hash_signed),
+            batch_size, train_samples, eval_samples, keep_eval_updates, num_workers, seed,
         )
-        self.batch_size, self.train_samples, self.eval_samples = batch_size, train_samples, eval_samples
-        self.keep_eval_updates, self.num_workers, self.seed = keep_eval_updates, num_workers, seed
         self.data: VisionData | None = None
-        self._splits: dict[str, ClientUpdates] | None = None
 
     # ---------------------------------------------------------------- data preparation
-    @property
-    def samples_per_update(self) -> int:
-        return self.client.samples_per_update
-
     @property
     def kind(self) -> str:
         return self.data.kind if self.data is not None else "image"
@@ -116,26 +105,6 @@ class ImageInversionDataModule(LightningDataModule):
     def table_columns(self) -> list[tuple[str, str, slice]]:
         """Tables: [(column name, 'continuous' | 'discrete', slice of the row)]; empty for images."""
         return self.data.column_spec if self.data is not None else []
-
-    def auxiliary_inputs(self, limit: int) -> Tensor:
-        """Up to `limit` of the server's auxiliary inputs (N, *input_shape), the train split: model inputs
-        an exact attack may use as a prior (never evaluation data)."""
-        if self._splits is None:
-            raise RuntimeError("call setup() before asking for auxiliary inputs")
-        inputs = self._splits["train"].fields["inputs"]
-        return inputs.reshape(-1, *inputs.shape[2:])[:limit]
-
-    def _as_updates(self, inputs: Tensor, labels: Tensor, limit: int | None, shuffle: bool) -> ClientUpdates:
-        if shuffle:  # group random samples into updates, fixed once by the seed
-            order = torch.randperm(labels.shape[0], generator=torch.Generator().manual_seed(self.seed))
-            inputs, labels = inputs[order], labels[order]
-        if limit is not None:
-            inputs, labels = inputs[:limit], labels[:limit]
-        m = self.samples_per_update
-        usable = labels.shape[0] // m * m
-        if usable == 0:
-            raise ValueError(f"only {labels.shape[0]} samples: too few for one update of {m}")
-        return ClientUpdates(inputs=inputs[:usable].view(-1, m, *inputs.shape[1:]), labels=labels[:usable].view(-1, m))
 
     def prepare_data(self) -> None:
         if self.dataset_name == "cifar10":
@@ -155,9 +124,9 @@ class ImageInversionDataModule(LightningDataModule):
             raise ValueError(f"data set {self.dataset_name!r} has {self.data.num_classes} classes but the target only {self.target.num_classes}")
         s = self.data.splits
         self._splits = {
-            "train": self._as_updates(s["train"].inputs, s["train"].labels, self.train_samples, shuffle=True),
-            "val": self._as_updates(s["val"].inputs, s["val"].labels, self.eval_samples, shuffle=False),
-            "test": self._as_updates(s["test"].inputs, s["test"].labels, self.eval_samples, shuffle=False),
+            "train": self._as_updates(self.train_samples, True, inputs=s["train"].inputs, labels=s["train"].labels),
+            "val": self._as_updates(self.eval_samples, False, inputs=s["val"].inputs, labels=s["val"].labels),
+            "test": self._as_updates(self.eval_samples, False, inputs=s["test"].inputs, labels=s["test"].labels),
         }
         # The attack-free baseline: the mean input of the server's auxiliary data.
         self.mean_input = s["train"].inputs.mean(dim=0)
@@ -171,43 +140,5 @@ class ImageInversionDataModule(LightningDataModule):
     def num_features(self) -> int:
         return self.pipeline.spec.num_bins
 
-    # ---------------------------------------------------------------- loaders
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(self._splits["train"], batch_size=self.batch_size, shuffle=True, drop_last=True, num_workers=self.num_workers)
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self._splits["val"], batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
-
-    def test_dataloader(self) -> DataLoader:
-        return DataLoader(self._splits["test"], batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
-
-    predict_dataloader = test_dataloader
-
-    # ---------------------------------------------------------------- the server's observation
-    def on_after_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
-        inputs = batch["inputs"]
-        self.pipeline.to(inputs.device)
-        training = self.trainer is not None and self.trainer.training
-        observed = self.pipeline(inputs, batch["labels"], keep_update=self.keep_eval_updates and not training)
-        batch["features"] = observed.features
-        if observed.update is not None:
-            batch["update"] = observed.update
-        return batch
-
-    def describe(self) -> dict:
-        """JSON-safe summary of the threat model, saved with checkpoints and results."""
-        setting = {
-            "dataset": self.dataset_name,
-            "target": type(self.target).__name__,
-            "client": repr(self.client),
-            "defense": self.pipeline.defense.describe(),
-            "observed_parameters": len(self.pipeline.names),
-            "observed_dim": self.pipeline.observed_dim,
-            "hash_bins": self.pipeline.spec.num_bins,
-            "samples_per_update": self.samples_per_update,
-        }
-        # DP-SGD reports its (epsilon, delta) for one client's local steps under this protocol.
-        privacy = self.pipeline.defense.privacy(*self.client.privacy_steps())
-        if privacy is not None:
-            setting["privacy"] = privacy
-        return setting
+    def _describe_data(self) -> dict:
+        return {"dataset": self.dataset_name, "samples_per_update": self.samples_per_update}

@@ -15,7 +15,9 @@ DAGER needs, for a target model:
   last token of every sequence in next-token training (it is only ever a label, never an input).
 
 Supported: `datamodules.targets.Transformer3`, and Hugging Face GPT-2, BERT and Llama-family models (bare, or
-wrapped in any module, e.g. `datamodules.targets.HFCausalLM`). Plain PyTorch; no Lightning.
+wrapped in any module, e.g. `datamodules.targets.HFCausalLM`). Each architecture's module names (embeddings,
+attention projections, normalisations) come from its record in `datamodules.targets.architectures`; this
+module holds the generic lookup. Plain PyTorch; no Lightning.
 """
 
 from __future__ import annotations
@@ -29,7 +31,12 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-NormKind = Literal["none", "layernorm", "rmsnorm"]
+from datamodules.targets.architectures import (
+    ARCHITECTURES,
+    BY_MODEL_TYPE,
+    Architecture,
+    NormKind,
+)
 
 
 @dataclass(frozen=True)
@@ -203,9 +210,13 @@ class DagerLayers:
 # Lookup helpers
 
 
+def _module_regex(pattern: str) -> re.Pattern:
+    return re.compile(r"(^|\.)" + pattern + r"$")
+
+
 def _find_module(model: nn.Module, pattern: str, kind: type | tuple[type, ...] | None = None) -> tuple[str, nn.Module]:
     """The unique module whose full name matches the regex `pattern` (anchored at a name boundary)."""
-    regex = re.compile(r"(^|\.)" + pattern + r"$")
+    regex = _module_regex(pattern)
     hits = [(name, mod) for name, mod in model.named_modules() if regex.search(name)]
     if kind is not None:
         hits = [(n, m) for n, m in hits if isinstance(_unwrapped(m), kind)]
@@ -245,17 +256,16 @@ def _fused(model: nn.Module, module_name: str, attr: str, layout, d: int) -> Pro
     return ProjectionRef(module_name, q, (k, v))
 
 
-def _separate(model: nn.Module, query_module: str, key: str, value: str) -> ProjectionRef:
-    """Separate nn.Linear query/key/value projections, siblings named `key` and `value`."""
+def _separate(model: nn.Module, module_names: tuple[str, ...]) -> ProjectionRef:
+    """Separate nn.Linear query, key and value projections, by full module name."""
     modules = dict(model.named_modules())
-    parent = query_module.rsplit(".", 1)[0]
     blocks = []
-    for module_name in (query_module, f"{parent}.{key}", f"{parent}.{value}"):
+    for module_name in module_names:
         linear = _unwrapped(modules[module_name]) if module_name in modules else None
         if not isinstance(linear, nn.Linear):
             raise ValueError(f"expected an nn.Linear named {module_name!r}")
         blocks.append(GradientBlock(_param_name(model, module_name, "weight"), "out_in", 0, linear.out_features))
-    return ProjectionRef(query_module, blocks[0], tuple(blocks[1:]))
+    return ProjectionRef(module_names[0], blocks[0], tuple(blocks[1:]))
 
 
 def _hf_model(target: nn.Module) -> nn.Module | None:
@@ -325,119 +335,77 @@ def _with_width(layers: DagerLayers) -> DagerLayers:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Architectures
+# Architectures: the module names come from `datamodules.targets.architectures`; this reads them
 
 
-def _transformer3(target: nn.Module) -> DagerLayers:
-    d = target.hidden_size
-    name0, attn0 = _find_module(target, r"encoder\.layers\.0\.self_attn", nn.MultiheadAttention)
-    name1, attn1 = _find_module(target, r"encoder\.layers\.1\.self_attn", nn.MultiheadAttention)
-    if attn0.in_proj_weight is None:
-        raise ValueError("transformer3 attention without a fused in_proj_weight is not supported")
-    _, layer0 = _find_module(target, r"encoder\.layers\.0", nn.TransformerEncoderLayer)
-    norm, weight, bias, eps = "none", None, None, 0.0
-    if layer0.norm_first:  # pre-LN variant: the first attention reads norm1(x)
-        norm, weight, bias, eps = "layernorm", layer0.norm1.weight, layer0.norm1.bias, layer0.norm1.eps
-    inputs = FirstLayerInput(
-        embedding=target.token_embedding.weight,
-        scale=math.sqrt(d),
-        positions=target.position_embedding.weight,
-        norm=norm,
-        norm_weight=weight,
-        norm_bias=bias,
-        eps=eps,
+def _path(*names: str) -> str:
+    """Regex for the module named by the dotted `names` (matched at a name boundary by `_find_module`)."""
+    return re.escape(".".join(names))
+
+
+def _attention(target: nn.Module, arch: Architecture, i: int) -> tuple[ProjectionRef, nn.Module]:
+    """Block i's attention projections and the module whose input is the block's attention input."""
+    first = arch.qkv[0]
+    if arch.fused:
+        name, module = _find_module(target, _path(arch.block_name(i), first))
+        weight = getattr(_unwrapped(module), arch.qkv_param, None)
+        if weight is None:
+            raise ValueError(f"{arch.name} attention without a fused {arch.qkv_param} is not supported")
+        d = int(weight.shape[0 if arch.qkv_layout == "out_in" else 1]) // 3
+        return _fused(target, name, arch.qkv_param, arch.qkv_layout, d), module
+    name, module = _find_module(target, _path(arch.block_name(i), first), nn.Linear)
+    block = name[: len(name) - len(first)]  # the block's full name and a dot
+    return _separate(target, tuple(block + projection for projection in arch.qkv)), module
+
+
+def _first_layer_input(target: nn.Module, arch: Architecture) -> FirstLayerInput:
+    _, emb = _find_module(target, _path(arch.embedding), nn.Embedding)
+    positions = _find_module(target, _path(arch.positions), nn.Embedding)[1].weight if arch.positions else None
+    types = _maybe_module(target, _path(arch.token_types), nn.Embedding) if arch.token_types else None
+    norm = None
+    if arch.embedding_norm:
+        norm = _find_module(target, _path(arch.embedding_norm))[1]
+    elif arch.attention_norm:
+        _, block0 = _find_module(target, _path(arch.block_name(0)))
+        if getattr(block0, "norm_first", True):  # a post-LN block's attention reads x itself
+            norm = _find_module(target, _path(arch.block_name(0), arch.attention_norm))[1]
+    return FirstLayerInput(
+        embedding=emb.weight,
+        scale=math.sqrt(emb.weight.shape[1]) if arch.scale_embedding else 1.0,
+        positions=positions,
+        offset=None if types is None else types[1].weight[0],
+        norm=arch.norm if norm is not None else "none",
+        norm_weight=None if norm is None else norm.weight,
+        norm_bias=None if norm is None else getattr(norm, "bias", None),
+        eps=0.0 if norm is None else float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))),
     )
+
+
+def _layers(target: nn.Module, arch: Architecture, hf: nn.Module | None) -> DagerLayers:
+    """Everything DAGER reads in `target`, located by the module names of its architecture record."""
+    config = None if hf is None else hf.config
+    for key, value in arch.requires.items():
+        if getattr(config, key, value) != value:
+            raise ValueError(f"DAGER supports {arch.name} with {key}={value!r} only")
+    if not any(_module_regex(_path(arch.block_name(1))).search(name) for name, _ in target.named_modules()):
+        raise ValueError("DAGER needs at least two attention layers")
+    first, _ = _attention(target, arch, 0)
+    second, second_input = _attention(target, arch, 1)
+    causal = arch.causal
+    if isinstance(causal, str):
+        causal = bool(getattr(target if config is None else config, causal, False))
+    head = _find_module(target, _path(arch.head))[1] if arch.head else hf.get_output_embeddings()
     return DagerLayers(
-        architecture="transformer3",
-        first=_fused(target, name0, "in_proj_weight", "out_in", d),
-        second=_fused(target, name1, "in_proj_weight", "out_in", d),
-        second_input_module=attn1,
-        inputs=inputs,
-        causal=bool(getattr(target, "causal", False)),
-        rope=False,
-        final_norm=detect_final_norm(target, target.decoder),
+        architecture=arch.name,
+        first=first,
+        second=second,
+        second_input_module=second_input,
+        inputs=_first_layer_input(target, arch),
+        causal=causal,
+        rope=arch.rope,
+        final_norm=detect_final_norm(target, head),
+        hf_base_model=hf.base_model if arch.kv_cache and hf is not None else None,
     )
-
-
-def _gpt2(target: nn.Module, hf: nn.Module) -> DagerLayers:
-    d = int(hf.config.n_embd)
-    name0, c0 = _find_module(target, r"h\.0\.attn\.c_attn")
-    name1, c1 = _find_module(target, r"h\.1\.attn\.c_attn")
-    _, ln1 = _find_module(target, r"h\.0\.ln_1", nn.LayerNorm)
-    _, wte = _find_module(target, r"wte", nn.Embedding)
-    _, wpe = _find_module(target, r"wpe", nn.Embedding)
-    inputs = FirstLayerInput(
-        embedding=wte.weight, positions=wpe.weight, norm="layernorm", norm_weight=ln1.weight, norm_bias=ln1.bias,
-        eps=float(ln1.eps),
-    )
-    return DagerLayers(
-        architecture="gpt2",
-        first=_fused(target, name0, "weight", "in_out", d),
-        second=_fused(target, name1, "weight", "in_out", d),
-        second_input_module=c1,
-        inputs=inputs,
-        causal=True,
-        rope=False,
-        final_norm=detect_final_norm(target, hf.get_output_embeddings()),
-        hf_base_model=hf.base_model,
-    )
-
-
-def _bert(target: nn.Module, hf: nn.Module) -> DagerLayers:
-    name0, q0 = _find_module(target, r"encoder\.layer\.0\.attention\.self\.query", nn.Linear)
-    name1, q1 = _find_module(target, r"encoder\.layer\.1\.attention\.self\.query", nn.Linear)
-    _, words = _find_module(target, r"embeddings\.word_embeddings", nn.Embedding)
-    _, pos = _find_module(target, r"embeddings\.position_embeddings", nn.Embedding)
-    types = _maybe_module(target, r"embeddings\.token_type_embeddings", nn.Embedding)
-    _, ln = _find_module(target, r"embeddings\.LayerNorm", nn.LayerNorm)
-    if getattr(hf.config, "position_embedding_type", "absolute") != "absolute":
-        raise ValueError("DAGER supports BERT with absolute position embeddings only")
-    inputs = FirstLayerInput(
-        embedding=words.weight, positions=pos.weight, offset=None if types is None else types[1].weight[0],
-        norm="layernorm", norm_weight=ln.weight, norm_bias=ln.bias, eps=float(ln.eps),
-    )
-    return DagerLayers(
-        architecture="bert",
-        first=_separate(target, name0, "key", "value"),
-        second=_separate(target, name1, "key", "value"),
-        second_input_module=q1,
-        inputs=inputs,
-        causal=bool(getattr(hf.config, "is_decoder", False)),
-        rope=False,
-        final_norm=detect_final_norm(target, hf.get_output_embeddings()),
-        hf_base_model=None,  # BERT's cache path is not used: the full re-computation is exact and simple
-    )
-
-
-def _llama(target: nn.Module, hf: nn.Module) -> DagerLayers:
-    name0, q0 = _find_module(target, r"layers\.0\.self_attn\.q_proj", nn.Linear)
-    name1, q1 = _find_module(target, r"layers\.1\.self_attn\.q_proj", nn.Linear)
-    _, emb = _find_module(target, r"embed_tokens", nn.Embedding)
-    _, norm0 = _find_module(target, r"layers\.0\.input_layernorm")
-    inputs = FirstLayerInput(
-        embedding=emb.weight, positions=None, norm="rmsnorm", norm_weight=norm0.weight,
-        eps=float(getattr(norm0, "variance_epsilon", getattr(norm0, "eps", 1e-6))),
-    )
-    return DagerLayers(
-        architecture="llama",
-        first=_separate(target, name0, "k_proj", "v_proj"),
-        second=_separate(target, name1, "k_proj", "v_proj"),
-        second_input_module=q1,
-        inputs=inputs,
-        causal=True,
-        rope=True,
-        final_norm=detect_final_norm(target, hf.get_output_embeddings()),
-        hf_base_model=hf.base_model,
-    )
-
-
-_HF_ADAPTERS = {
-    "gpt2": _gpt2,
-    "bert": _bert,
-    "llama": _llama,
-    "mistral": _llama,
-    "qwen2": _llama,
-}
 
 
 def find_layers(target: nn.Module) -> DagerLayers:
@@ -445,20 +413,17 @@ def find_layers(target: nn.Module) -> DagerLayers:
     from datamodules.targets.transformer3 import Transformer3
 
     if isinstance(target, Transformer3):
-        if len(target.encoder.layers) < 2:
-            raise ValueError("DAGER needs at least two attention layers")
-        return _with_width(_transformer3(target))
+        return _with_width(_layers(target, ARCHITECTURES["transformer3"], None))
     hf = _hf_model(target)
     if hf is None:
         raise ValueError(
             f"DAGER does not know the architecture of {type(target).__name__}; supported: transformer3 and "
-            f"Hugging Face {', '.join(sorted(_HF_ADAPTERS))}"
+            f"Hugging Face {', '.join(sorted(BY_MODEL_TYPE))}"
         )
     model_type = hf.config.model_type
-    if model_type not in _HF_ADAPTERS:
-        raise ValueError(f"DAGER does not support Hugging Face model_type {model_type!r}; supported: {', '.join(sorted(_HF_ADAPTERS))}")
-    layers = _HF_ADAPTERS[model_type](target, hf)
-    return _with_width(layers)
+    if model_type not in BY_MODEL_TYPE:
+        raise ValueError(f"DAGER does not support Hugging Face model_type {model_type!r}; supported: {', '.join(sorted(BY_MODEL_TYPE))}")
+    return _with_width(_layers(target, BY_MODEL_TYPE[model_type], hf))
 
 
 # ----------------------------------------------------------------------------------------------------------

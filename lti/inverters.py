@@ -84,7 +84,7 @@ class MLPInverter(Inverter):
 
 
 class EmbeddingInverter(Inverter):
-    """Predicts a d-vector per position and scores tokens through the known embedding E (DESIGN.md section 9):
+    """Predicts a d-vector per position and scores tokens through the known embedding E (docs/design.md §9):
     logits = scale * h @ E^T + b, with b initialised to the log marginal of the server's data."""
 
     def __init__(self, hidden: int = 600, input_norm: Literal["none", "rms"] = "rms") -> None:

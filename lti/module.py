@@ -7,6 +7,7 @@ its own metric objects.
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Literal
 
@@ -27,6 +28,16 @@ class LearnedInversionModule(LightningModule):
     """What every learned-inversion module shares: Adam with warm-up + cosine/constant schedule,
     checkpoints that carry the threat model (hash spec + setting), and one step function `_step(batch,
     stage)` for train/val/test. Subclasses own the inverter, the loss and the metrics."""
+
+    def _init_training(self, inverter, lr: float, scheduler: str):
+        """Checks the optimiser arguments, records the hyperparameters, returns a fresh inverter."""
+        if lr <= 0:
+            raise ValueError(f"lr={lr} must be > 0")
+        if scheduler not in ("constant", "cosine"):
+            raise ValueError(f"scheduler {scheduler!r} is not allowed; use 'constant' or 'cosine'")
+        # The subclass's __init__ frame holds every init argument (not just the three checked here).
+        self.save_hyperparameters(ignore=["inverter"], frame=inspect.currentframe().f_back)
+        return materialize(inverter)
 
     @property
     def data(self):
@@ -100,12 +111,7 @@ class InversionModule(LearnedInversionModule):
             warmup_steps: Linear warm-up steps.
         """
         super().__init__()
-        if lr <= 0:
-            raise ValueError(f"lr={lr} must be > 0")
-        if scheduler not in ("constant", "cosine"):
-            raise ValueError(f"scheduler {scheduler!r} is not allowed; use 'constant' or 'cosine'")
-        self.save_hyperparameters(ignore=["inverter"])
-        self.inverter = materialize(inverter)
+        self.inverter = self._init_training(inverter, lr, scheduler)
         # One metric object per stage (e.g. `val_token_acc`), so stages never share state.
         for stage in STAGES:
             setattr(self, f"{stage}_token_acc", TokenAccuracy())

@@ -28,7 +28,6 @@ from torchmetrics import MeanMetric, MeanSquaredError
 
 from lti.module import STAGES, LearnedInversionModule
 from datamodules.metrics import discrete_accuracy, match_samples, psnr, ssim
-from datamodules.registry import materialize
 
 
 class ImageMLPInverter(nn.Module):
@@ -130,12 +129,7 @@ class ImageInversionModule(LearnedInversionModule):
             grid_samples: Reference/reconstruction pairs in each evaluation's PNG grid (0: no grid).
         """
         super().__init__()
-        if lr <= 0:
-            raise ValueError(f"lr={lr} must be > 0")
-        if scheduler not in ("constant", "cosine"):
-            raise ValueError(f"scheduler {scheduler!r} is not allowed; use 'constant' or 'cosine'")
-        self.save_hyperparameters(ignore=["inverter"])
-        self.inverter = materialize(inverter)
+        self.inverter = self._init_training(inverter, lr, scheduler)
         for stage in STAGES:  # one metric object per stage, so stages never share state
             setattr(self, f"{stage}_mse", MeanSquaredError())
             if stage != "train":

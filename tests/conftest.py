@@ -93,3 +93,34 @@ def make_config(tmp_path, corpus_files):
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def observe_text(client, target, names, input_ids, attention_mask=None, *, defense=None, generator=None, trainable=None):
+    """A protocol's defended (U, D) updates of text clients: `client.observe` with its observation context."""
+    from datamodules.federated import NextTokenLoss, NoDefense, Observation
+
+    batch = {"input_ids": input_ids} if attention_mask is None else {"input_ids": input_ids, "attention_mask": attention_mask}
+    return client.observe(batch, Observation(target, names, NextTokenLoss(), defense or NoDefense(), generator, trainable=trainable))
+
+
+def observe_images(client, target, names, inputs, labels, *, defense=None, generator=None, trainable=None):
+    """A protocol's defended (U, D) updates of image/table clients."""
+    from datamodules.federated import ClassificationLoss, NoDefense, Observation
+
+    observation = Observation(target, names, ClassificationLoss(), defense or NoDefense(), generator, trainable=trainable)
+    return client.observe({"inputs": inputs, "labels": labels}, observation)
+
+
+def per_example_text(client, target, names, input_ids, attention_mask=None):
+    """A FedSGD client's (U, m, D) per-sequence gradients."""
+    from datamodules.federated import NextTokenLoss, Observation
+
+    batch = {"input_ids": input_ids} if attention_mask is None else {"input_ids": input_ids, "attention_mask": attention_mask}
+    return client.per_example_gradients(batch, Observation(target, names, NextTokenLoss()))
+
+
+def per_example_images(client, target, names, inputs, labels):
+    """A FedSGD client's (U, m, D) per-sample gradients of image/table clients."""
+    from datamodules.federated import ClassificationLoss, Observation
+
+    return client.per_example_gradients({"inputs": inputs, "labels": labels}, Observation(target, names, ClassificationLoss()))

@@ -1,3 +1,4 @@
+from datamodules.federated.hashing import Hashing
 """Benchmarks that quote numbers in the docs: they run, and their derived columns follow from the measured ones."""
 
 import importlib.util
@@ -60,9 +61,9 @@ def test_fedavg_dager_diagnostics_measure_zero_distances_for_the_truth_of_a_feds
     module = load_benchmark("fedavg_dager_diagnostics")
     torch.manual_seed(0)
     target = Transformer3(vocab_size=300, hidden_size=32, num_heads=2, ffn_size=64, num_layers=2, max_positions=8).double().eval()
-    pipeline = UpdatePipeline(target, FedSGDClient("eval", 1), hash_bins=16)
+    pipeline = UpdatePipeline(target, FedSGDClient("eval", 1), hashing=Hashing(bins=16))
     ids = torch.randint(0, 300, (1, 1, 8))
-    update = pipeline(ids, keep_update=True).update
+    update = pipeline({"input_ids": ids}, keep_update=True).update
     one = {name: grads[0] for name, grads in pipeline.split(update).items()}
     worst, median = module.true_token_distances(Dager(), target, one, ids[0])
     assert worst < 1e-6 < 1e-2 < median  # DAGER keeps tokens below 1e-3

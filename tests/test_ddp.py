@@ -1,5 +1,5 @@
 """DDP on CPU (gloo), run as a real `lti` subprocess: `strategy=ddp` inside pytest would re-run pytest
-in the child rank (DESIGN.md section 8)."""
+in the child rank (docs/design.md §8)."""
 
 import json
 import os

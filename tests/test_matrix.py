@@ -191,7 +191,7 @@ def test_a_stopped_grid_records_no_failed_cell(grid_file, monkeypatch):
     running is not written as failed (a rerun runs it again)."""
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    import lti.matrix as matrix
+    import lti.matrix.runner as matrix
 
     def stopped(args, inline, log, threads=None):
         raise SIGTERMException()
@@ -204,7 +204,8 @@ def test_a_stopped_grid_records_no_failed_cell(grid_file, monkeypatch):
 
 
 def test_remaining_time_is_estimated_from_finished_cells_of_the_same_protocol_and_kind():
-    from lti.matrix import Entry, _eta_text, estimate_remaining
+    from lti.matrix import Entry, estimate_remaining
+    from lti.matrix.runner import _eta_text
 
     fedsgd, fedavg, lora = Entry("fedsgd"), Entry("fedavg"), Entry("lora")
     none = Entry("none")
@@ -282,7 +283,7 @@ def test_dry_run_estimates_the_cells_to_run_from_the_finished_ones(grid_file):
 def test_cell_records_are_replaced_whole(grid_file, monkeypatch):
     """Two `lti matrix` runs may fill slices of one grid: a record is written aside and renamed, so a
     reader sees the old record or the new one, never a partial file."""
-    from lti.matrix import _finished, _save_record
+    from lti.matrix.records import _finished, _save_record
 
     grid = load_grid(grid_file)
     run_grid(grid, inline=True, only={"attack": ["dager"], "defense": ["none"]}, echo=lambda _: None)
@@ -296,7 +297,7 @@ def test_cell_records_are_replaced_whole(grid_file, monkeypatch):
     def interrupted(*_):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("lti.matrix.os.replace", interrupted)
+    monkeypatch.setattr("lti.matrix.records.os.replace", interrupted)
     with pytest.raises(KeyboardInterrupt):
         _save_record(grid, cell, {**record, "seconds": 99.0})
     assert _finished(grid, *cell)["seconds"] == 12.5
@@ -308,7 +309,7 @@ def test_jobs_run_cells_side_by_side_with_a_share_of_the_cores(grid_file, monkey
     a barrier, which only passes if two of them run at once."""
     import threading
 
-    import lti.matrix as matrix
+    import lti.matrix.runner as matrix
 
     grid = load_grid(grid_file)
     lock, running, peak, threads_seen = threading.Lock(), [0], [0], []
@@ -363,7 +364,7 @@ def test_cells_run_as_subprocesses_side_by_side(grid_file):
 def test_jobs_stop_starting_cells_after_an_error(grid_file, monkeypatch):
     """An error in one job (e.g. the grid being interrupted) surfaces, and the cells not started yet
     are dropped instead of run."""
-    import lti.matrix as matrix
+    import lti.matrix.runner as matrix
 
     started = []
 

@@ -7,6 +7,8 @@ per-sequence clipping loop.
 
 from __future__ import annotations
 
+from datamodules.federated.hashing import Hashing
+
 import copy
 import math
 
@@ -29,12 +31,12 @@ from datamodules.federated import (
     dp_epsilon,
     preset_patterns,
 )
-from datamodules.federated.client import group_gradients, group_gradients_loop, group_gradients_vmap
+from datamodules.federated.engines.next_token import group_gradients, group_gradients_loop, group_gradients_vmap
 from datamodules.federated.defenses import Compose
 from datamodules.targets import HFCausalLM, Transformer3
 from datamodules.targets.base import next_token_loss
 
-from conftest import relative_error
+from conftest import observe_text, per_example_text, relative_error
 
 #: `next_token_loss` computes the cross-entropy in float32 even for float64 logits, so paths that
 #: sum in different orders agree to float32 precision only.
@@ -97,11 +99,11 @@ def test_fedavg_rejects_bad_arguments_in_one_line(kwargs, message):
 
 
 def test_fedsgd_is_the_default_protocol_and_unchanged(tiny_transformer3):
-    pipe = UpdatePipeline(tiny_transformer3, hash_bins=16)
+    pipe = UpdatePipeline(tiny_transformer3, hashing=Hashing(bins=16))
     assert isinstance(pipe.client, FedSGDClient) and pipe.client.name == "fedsgd"
     ids = torch.randint(0, 300, (3, 1, 8))
-    expected = pipe.client.per_example_gradients(tiny_transformer3, pipe.names, ids)[:, 0]
-    assert torch.equal(pipe(ids, keep_update=True).update, expected)
+    expected = per_example_text(pipe.client, tiny_transformer3, pipe.names, ids)[:, 0]
+    assert torch.equal(pipe({"input_ids": ids}, keep_update=True).update, expected)
 
 
 # ------------------------------------------------------------------------------------------------ FedAvg
@@ -130,8 +132,8 @@ def test_fedavg_delta_matches_a_manual_sgd_loop(epochs, batch, momentum):
     model = tiny_t3(num_layers=1).eval()
     ids = torch.randint(0, 300, (2, 3, 8))  # 2 clients of n = 3 sequences: B = 2 leaves a short minibatch
     client = FedAvgClient("eval", 3, local_epochs=epochs, minibatch_size=batch, lr=0.05, momentum=momentum, shuffle=False)
-    pipe = UpdatePipeline(model, client, hash_bins=16)
-    update = pipe(ids, keep_update=True).update
+    pipe = UpdatePipeline(model, client, hashing=Hashing(bins=16))
+    update = pipe({"input_ids": ids}, keep_update=True).update
     for u in range(2):
         expected = manual_fedavg(model, pipe.names, pipe.names, ids[u], epochs, batch, 0.05, momentum)
         assert relative_error(update[u], expected) < TOL
@@ -140,10 +142,10 @@ def test_fedavg_delta_matches_a_manual_sgd_loop(epochs, batch, momentum):
 def test_fedavg_loop_implementation_agrees_with_the_fast_path():
     model = tiny_t3().eval()
     ids = torch.randint(0, 300, (2, 2, 8))
-    kwargs = dict(mode="eval", sequences_per_update=2, local_epochs=2, minibatch_size=1, lr=0.1, shuffle=False)
+    kwargs = dict(mode="eval", samples_per_update=2, local_epochs=2, minibatch_size=1, lr=0.1, shuffle=False)
     names = ParameterSelection().resolve(model)
-    fast = FedAvgClient(**kwargs).observe(model, names, ids)
-    slow = FedAvgClient(**kwargs, implementation="loop").observe(model, names, ids)
+    fast = observe_text(FedAvgClient(**kwargs), model, names, ids)
+    slow = observe_text(FedAvgClient(**kwargs, implementation="loop"), model, names, ids)
     assert relative_error(fast, slow) < TOL
 
 
@@ -151,9 +153,9 @@ def test_fedavg_one_full_minibatch_is_lr_times_the_fedsgd_gradient():
     model = tiny_t3().eval()
     ids = torch.randint(0, 300, (3, 4, 8))
     names = ParameterSelection().resolve(model)
-    fedsgd = FedSGDClient("eval", 4).observe(model, names, ids)
+    fedsgd = observe_text(FedSGDClient("eval", 4), model, names, ids)
     client = FedAvgClient("eval", 4, local_epochs=1, minibatch_size=4, lr=0.3)
-    fedavg = client.observe(model, names, ids)
+    fedavg = observe_text(client, model, names, ids)
     assert relative_error(fedavg, 0.3 * fedsgd) < 1e-12
     # The pseudo-gradient exact attacks use: delta / (steps * lr) is the FedSGD gradient here.
     assert client.local_steps() == 1 and relative_error(fedavg * client.gradient_scale(), fedsgd) < 1e-12
@@ -176,9 +178,9 @@ def test_fedavg_trains_unobserved_parameters_when_asked():
     client = FedAvgClient("eval", 2, local_epochs=2, minibatch_size=1, lr=0.1, trainable=["encoder.*"], shuffle=False)
     trained = client.trained_names(model, observed)
     assert trained[: len(observed)] == observed and any(n.startswith("encoder.layers.1.") for n in trained)
-    update = client.observe(model, observed, ids)
+    update = observe_text(client, model, observed, ids)
     assert relative_error(update[0], manual_fedavg(model, observed, trained, ids[0], 2, 1, 0.1, 0.0)) < TOL
-    only_observed = FedAvgClient("eval", 2, local_epochs=2, minibatch_size=1, lr=0.1, shuffle=False).observe(model, observed, ids)
+    only_observed = observe_text(FedAvgClient("eval", 2, local_epochs=2, minibatch_size=1, lr=0.1, shuffle=False), model, observed, ids)
     assert not torch.allclose(update, only_observed)  # layer 1's steps change layer 0's later gradients
 
 
@@ -187,8 +189,8 @@ def test_fedavg_shuffles_per_client_from_the_generator():
     ids = torch.randint(0, 300, (2, 4, 8))
     names = ParameterSelection(preset="layer1_ffn_out").resolve(model)
     client = FedAvgClient("eval", 4, local_epochs=1, minibatch_size=1, lr=0.5, momentum=0.9)
-    a = client.observe(model, names, ids, generator=torch.Generator().manual_seed(3))
-    b = client.observe(model, names, ids, generator=torch.Generator().manual_seed(3))
+    a = observe_text(client, model, names, ids, generator=torch.Generator().manual_seed(3))
+    b = observe_text(client, model, names, ids, generator=torch.Generator().manual_seed(3))
     assert torch.equal(a, b)
     order = torch.rand(2, 4, generator=torch.Generator().manual_seed(3)).argsort(dim=1)
     for u in range(2):
@@ -200,7 +202,7 @@ def test_fedavg_on_a_gpt2_target_matches_the_manual_loop(tiny_gpt2):
     model = tiny_gpt2.double().eval()
     names = ParameterSelection(preset=["layer0_attn_qkv", "layer1_ffn_in"]).resolve(model)
     ids = torch.randint(0, 300, (2, 2, 10))
-    update = FedAvgClient("eval", 2, local_epochs=2, minibatch_size=1, lr=0.1, shuffle=False).observe(model, names, ids)
+    update = observe_text(FedAvgClient("eval", 2, local_epochs=2, minibatch_size=1, lr=0.1, shuffle=False), model, names, ids)
     for u in range(2):
         assert relative_error(update[u], manual_fedavg(model, names, names, ids[u], 2, 1, 0.1, 0.0)) < TOL
 
@@ -212,9 +214,9 @@ def test_fedavg_float64_client_gives_the_exact_delta_of_a_float32_target():
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     ids = torch.randint(0, 300, (2, 3, 8))
     names = ParameterSelection().resolve(model)
-    kwargs = dict(mode="eval", sequences_per_update=3, local_epochs=2, minibatch_size=1, lr=0.01, shuffle=False)
-    delta32 = FedAvgClient(**kwargs).observe(model, names, ids)
-    delta64 = FedAvgClient(**kwargs, dtype="float64").observe(model, names, ids)
+    kwargs = dict(mode="eval", samples_per_update=3, local_epochs=2, minibatch_size=1, lr=0.01, shuffle=False)
+    delta32 = observe_text(FedAvgClient(**kwargs), model, names, ids)
+    delta64 = observe_text(FedAvgClient(**kwargs, dtype="float64"), model, names, ids)
     reference = copy.deepcopy(model).double()
     exact = torch.stack([manual_fedavg(reference, names, names, ids[u], 2, 1, 0.01, 0.0) for u in range(2)])
     assert delta64.dtype == delta32.dtype == torch.float32  # sent in the target's dtype
@@ -222,20 +224,20 @@ def test_fedavg_float64_client_gives_the_exact_delta_of_a_float32_target():
     assert relative_error(delta32, exact) > 100 * relative_error(delta64, exact)
     # The global model is untouched (the client trained a copy) and 'float32' on it is 'model'.
     assert all(p.dtype == torch.float32 and torch.equal(p, before[n]) for n, p in model.named_parameters())
-    assert torch.equal(FedAvgClient(**kwargs, dtype="float32").observe(model, names, ids), delta32)
+    assert torch.equal(observe_text(FedAvgClient(**kwargs, dtype="float32"), model, names, ids), delta32)
 
 
 def test_lora_with_a_float64_fedavg_client_matches_a_float64_model():
     ids = torch.randint(0, 300, (2, 2, 8))
-    local = dict(mode="eval", sequences_per_update=2, local_epochs=2, minibatch_size=1, lr=0.01, shuffle=False)
+    local = dict(mode="eval", samples_per_update=2, local_epochs=2, minibatch_size=1, lr=0.01, shuffle=False)
     model = tiny_t3(torch.float32, num_layers=1).eval()
     lora = LoRAClient(rank=2, init_b_std=0.1, local=FedAvgClient(**local, dtype="float64"))
-    pipe = UpdatePipeline(model, lora, hash_bins=16)
-    update = pipe(ids, keep_update=True).update
+    pipe = UpdatePipeline(model, lora, hashing=Hashing(bins=16))
+    update = pipe({"input_ids": ids}, keep_update=True).update
     # Reference: the same adapted model converted to float64, trained by a client in its own dtype.
     model64 = copy.deepcopy(pipe.target).double()
     adapters = lora.adapter_names(model64)
-    expected = FedAvgClient(**local).observe(model64, pipe.names, ids, trainable=adapters)
+    expected = observe_text(FedAvgClient(**local), model64, pipe.names, ids, trainable=adapters)
     assert update.dtype == torch.float32 and expected.dtype == torch.float64
     assert relative_error(update.double(), expected) < 1e-6  # a float32 client: ~7e-6 here
 
@@ -244,10 +246,10 @@ def test_fedavg_train_mode_uses_dropout():
     model = tiny_t3(dropout=0.3)
     ids = torch.randint(0, 300, (2, 2, 8))
     names = ParameterSelection(preset="layer0_ffn_in").resolve(model)
-    kwargs = dict(sequences_per_update=2, minibatch_size=1, lr=0.1, shuffle=False)
-    e1, e2 = (FedAvgClient("eval", **kwargs).observe(model, names, ids) for _ in range(2))
+    kwargs = dict(samples_per_update=2, minibatch_size=1, lr=0.1, shuffle=False)
+    e1, e2 = (observe_text(FedAvgClient("eval", **kwargs), model, names, ids) for _ in range(2))
     assert torch.equal(e1, e2)
-    assert not torch.allclose(FedAvgClient("train", **kwargs).observe(model, names, ids), e1)
+    assert not torch.allclose(observe_text(FedAvgClient("train", **kwargs), model, names, ids), e1)
 
 
 # ------------------------------------------------------------------------------------------------ defenses x FedAvg
@@ -259,7 +261,7 @@ def test_dpsgd_in_fedavg_clips_every_sequence_at_every_local_step():
     names = ParameterSelection(preset=["layer0_ffn_in", "layer1_attn_out"]).resolve(model)
     clip, lr = 0.05, 0.5  # far below the gradient norms: every sequence is clipped
     client = FedAvgClient("eval", 4, local_epochs=2, minibatch_size=2, lr=lr, shuffle=False)
-    update = client.observe(model, names, ids, defense=DPSGD(clip, 0.0))
+    update = observe_text(client, model, names, ids, defense=DPSGD(clip, 0.0))
     for u in range(2):  # reference: per-sequence autograd, clip, mean, SGD by hand
         local = copy.deepcopy(model)
         params = dict(local.named_parameters())
@@ -291,9 +293,9 @@ def test_dpsgd_in_fedavg_fast_paths_match_the_loop(kind, tiny_gpt2):
     model = tiny_t3().eval() if kind == "transformer3" else tiny_gpt2.double().eval()
     names = ParameterSelection(preset=["layer0_attn_qkv", "layer1_ffn_out"]).resolve(model)
     ids = torch.randint(0, 300, (2, 4, 8))
-    kwargs = dict(mode="eval", sequences_per_update=4, local_epochs=1, minibatch_size=2, lr=0.5, shuffle=False)
-    fast = FedAvgClient(**kwargs).observe(model, names, ids, defense=DPSGD(0.05, 0.0))
-    slow = FedAvgClient(**kwargs, implementation="loop").observe(model, names, ids, defense=DPSGD(0.05, 0.0))
+    kwargs = dict(mode="eval", samples_per_update=4, local_epochs=1, minibatch_size=2, lr=0.5, shuffle=False)
+    fast = observe_text(FedAvgClient(**kwargs), model, names, ids, defense=DPSGD(0.05, 0.0))
+    slow = observe_text(FedAvgClient(**kwargs, implementation="loop"), model, names, ids, defense=DPSGD(0.05, 0.0))
     assert relative_error(fast, slow) < TOL
 
 
@@ -302,8 +304,8 @@ def test_dpsgd_noise_in_fedavg_is_per_step():
     names = ParameterSelection(preset="layer0_ffn_out").resolve(model)
     ids = torch.randint(0, 300, (24, 2, 8))
     client = FedAvgClient("eval", 2, local_epochs=2, minibatch_size=1, lr=1.0, shuffle=False)
-    clean = client.observe(model, names, ids, defense=DPSGD(1.0, 0.0))
-    noisy = client.observe(model, names, ids, defense=DPSGD(1.0, 0.5), generator=torch.Generator().manual_seed(0))
+    clean = observe_text(client, model, names, ids, defense=DPSGD(1.0, 0.0))
+    noisy = observe_text(client, model, names, ids, defense=DPSGD(1.0, 0.5), generator=torch.Generator().manual_seed(0))
     # 4 steps of N(0, (0.5 * 1)^2 / 1) noise each, lr 1 -> std 0.5 * 2 per coordinate (plus the
     # small drift of later gradients caused by the noise)
     assert abs((noisy - clean).std().item() - 1.0) < 0.1
@@ -315,8 +317,8 @@ def test_sign_and_pruning_act_on_the_fedavg_delta(defense):
     names = ParameterSelection().resolve(model)
     ids = torch.randint(0, 300, (2, 2, 8))
     client = FedAvgClient("eval", 2, local_epochs=1, minibatch_size=1, lr=0.1, shuffle=False)
-    raw = client.observe(model, names, ids)
-    torch.testing.assert_close(client.observe(model, names, ids, defense=defense), defense.transform(raw, None))
+    raw = observe_text(client, model, names, ids)
+    torch.testing.assert_close(observe_text(client, model, names, ids, defense=defense), defense.transform(raw, None))
 
 
 def test_compose_under_fedavg_splits_per_step_and_delta_parts():
@@ -324,8 +326,8 @@ def test_compose_under_fedavg_splits_per_step_and_delta_parts():
     names = ParameterSelection(preset="layer0_ffn_in").resolve(model)
     ids = torch.randint(0, 300, (2, 2, 8))
     client = FedAvgClient("eval", 2, local_epochs=1, minibatch_size=1, lr=0.1, shuffle=False)
-    clipped = client.observe(model, names, ids, defense=DPSGD(0.01, 0.0))
-    both = client.observe(model, names, ids, defense=Compose([DPSGD(0.01, 0.0), Sign()]))
+    clipped = observe_text(client, model, names, ids, defense=DPSGD(0.01, 0.0))
+    both = observe_text(client, model, names, ids, defense=Compose([DPSGD(0.01, 0.0), Sign()]))
     assert Compose([DPSGD(), Sign()]).acts_per_step and not Compose([Sign()]).acts_per_step
     torch.testing.assert_close(both, torch.sign(clipped))
 
@@ -334,28 +336,28 @@ def test_compose_under_fedavg_splits_per_step_and_delta_parts():
 
 
 def test_lora_observes_only_adapters_with_a_deterministic_init():
-    a = UpdatePipeline(tiny_t3(torch.float32), LoRAClient(rank=2, seed=1), hash_bins=16)
-    b = UpdatePipeline(tiny_t3(torch.float32), LoRAClient(rank=2, seed=1), hash_bins=16)
-    c = UpdatePipeline(tiny_t3(torch.float32), LoRAClient(rank=2, seed=2), hash_bins=16)
+    a = UpdatePipeline(tiny_t3(torch.float32), LoRAClient(rank=2, seed=1), hashing=Hashing(bins=16))
+    b = UpdatePipeline(tiny_t3(torch.float32), LoRAClient(rank=2, seed=1), hashing=Hashing(bins=16))
+    c = UpdatePipeline(tiny_t3(torch.float32), LoRAClient(rank=2, seed=2), hashing=Hashing(bins=16))
     assert a.names and all(".lora_A." in n or ".lora_B." in n for n in a.names)
     assert {n.split(".lora_")[0] for n in a.names} == {f"encoder.layers.{i}.linear{j}" for i in (0, 1) for j in (1, 2)}
     assert [name for name, _ in a.spec.parameters] == a.names  # the hash spec (and checkpoints) follow
     assert dict(a.spec.parameters)["encoder.layers.0.linear1.lora_A.default.weight"] == (2, 16)
     assert a.spec.target_fingerprint == b.spec.target_fingerprint != c.spec.target_fingerprint
-    update = a(torch.randint(0, 300, (2, 1, 8)), keep_update=True).update
+    update = a({"input_ids": torch.randint(0, 300, (2, 1, 8))}, keep_update=True).update
     assert update.shape == (2, a.observed_dim) and torch.isfinite(update).all()
 
 
 def test_lora_gradient_matches_autograd_on_the_peft_model():
-    from datamodules.federated.transformer3_grads import engine_supports
+    from datamodules.federated.engines.transformer3 import engine_supports
 
     client = LoRAClient(rank=2, alpha=4.0, seed=0, init_b_std=0.1, local=FedSGDClient("eval", 2))
     model = client.prepare(tiny_t3())
     assert not engine_supports(model)  # the engine would skip the adapters: the generic path runs
     names = client.observed_names(model, ParameterSelection())
     ids = torch.randint(0, 300, (2, 2, 8))
-    fast = client.observe(model, names, ids)
-    loop = LoRAClient(local=FedSGDClient("eval", 2, implementation="loop")).observe(model, names, ids)
+    fast = observe_text(client, model, names, ids)
+    loop = observe_text(LoRAClient(local=FedSGDClient("eval", 2, implementation="loop")), model, names, ids)
     assert relative_error(fast, loop) < TOL
     params = dict(model.named_parameters())
     for u in range(2):  # reference: plain autograd through the peft layers
@@ -374,7 +376,7 @@ def test_lora_with_zero_b_init_has_zero_a_gradient():
     client = LoRAClient(rank=2, local=FedSGDClient("eval"))
     model = client.prepare(tiny_t3())
     names = client.observed_names(model, ParameterSelection())
-    update = client.observe(model, names, torch.randint(0, 300, (1, 1, 8)))
+    update = observe_text(client, model, names, torch.randint(0, 300, (1, 1, 8)))
     parts = dict(zip(names, update[0].split([dict(model.named_parameters())[n].numel() for n in names])))
     assert all(parts[n].abs().max() == 0 for n in names if ".lora_A." in n)
     assert all(parts[n].abs().max() > 0 for n in names if ".lora_B." in n)
@@ -386,7 +388,7 @@ def test_lora_with_fedavg_matches_a_manual_sgd_loop_and_trains_all_adapters():
     names = client.observed_names(model, ParameterSelection(preset="layer0_ffn_in"))  # one layer's adapters
     assert len(names) == 2
     ids = torch.randint(0, 300, (2, 2, 8))
-    update = client.observe(model, names, ids)
+    update = observe_text(client, model, names, ids)
     adapters = client.adapter_names(model)
     for u in range(2):
         assert relative_error(update[u], manual_fedavg(model, names, adapters, ids[u], 2, 1, 0.2, 0.0)) < TOL
@@ -394,11 +396,11 @@ def test_lora_with_fedavg_matches_a_manual_sgd_loop_and_trains_all_adapters():
 
 def test_lora_on_a_gpt2_target(tiny_gpt2):
     client = LoRAClient(rank=2, init_b_std=0.1, local=FedSGDClient("eval"))
-    pipe = UpdatePipeline(tiny_gpt2, client, hash_bins=16)
+    pipe = UpdatePipeline(tiny_gpt2, client, hashing=Hashing(bins=16))
     assert {n.split(".lora_")[0].rsplit(".", 1)[1] for n in pipe.names} == {"c_attn", "c_proj", "c_fc"}
     ids = torch.randint(0, 300, (2, 1, 10))
-    fast = pipe(ids, keep_update=True).update
-    loop = LoRAClient(local=FedSGDClient("eval", implementation="loop")).observe(pipe.target, pipe.names, ids)
+    fast = pipe({"input_ids": ids}, keep_update=True).update
+    loop = observe_text(LoRAClient(local=FedSGDClient("eval", implementation="loop")), pipe.target, pipe.names, ids)
     assert relative_error(fast, loop) < 1e-5
 
 
@@ -477,10 +479,10 @@ def test_dp_epsilon_matches_opacus_and_is_monotone_in_sigma():
 
 
 def test_protocols_report_their_dp_steps():
-    assert FedSGDClient(sequences_per_update=4).privacy_steps() == (1, 1.0)
-    assert FedAvgClient(sequences_per_update=5, local_epochs=3, minibatch_size=2).privacy_steps() == (9, 0.4)
-    assert LoRAClient(local=FedAvgClient(sequences_per_update=4, minibatch_size=4)).privacy_steps() == (1, 1.0)
-    privacy = DPSGD(1.0, 1.0, target_delta=1e-6).privacy(*FedAvgClient(sequences_per_update=4, minibatch_size=1).privacy_steps())
+    assert FedSGDClient(samples_per_update=4).privacy_steps() == (1, 1.0)
+    assert FedAvgClient(samples_per_update=5, local_epochs=3, minibatch_size=2).privacy_steps() == (9, 0.4)
+    assert LoRAClient(local=FedAvgClient(samples_per_update=4, minibatch_size=4)).privacy_steps() == (1, 1.0)
+    privacy = DPSGD(1.0, 1.0, target_delta=1e-6).privacy(*FedAvgClient(samples_per_update=4, minibatch_size=1).privacy_steps())
     assert privacy["epsilon"] == pytest.approx(dp_epsilon(1.0, 0.25, 4, 1e-6)) and privacy["steps"] == 4
     assert NoDefense().privacy(1, 1.0) is None and GaussianNoise(0.1).privacy(1, 1.0) is None
     assert Compose([DPSGD(1.0, 0.0), Sign()]).privacy(1, 1.0)["epsilon"] == "inf"

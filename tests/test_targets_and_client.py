@@ -1,12 +1,12 @@
 import pytest
 import torch
 
-from datamodules.federated import FedSGDClient, ParameterSelection, UpdatePipeline
-from datamodules.federated.client import per_example_gradients, per_example_gradients_loop
+from datamodules.federated import FedSGDClient, Hashing, ParameterSelection, UpdatePipeline
+from datamodules.federated.engines.next_token import per_example_gradients, per_example_gradients_loop
 from datamodules.federated.defenses import Sign
 from datamodules.targets import Transformer3
 
-from conftest import relative_error
+from conftest import relative_error, per_example_text
 
 
 def test_transformer3_matches_the_paper_shapes():
@@ -85,21 +85,21 @@ def test_client_modes_and_sequences_per_update(tiny_gpt2):
     names = ParameterSelection().resolve(dropout_model)
     ids = torch.randint(0, 300, (2, 3, 10))
     eval_client, train_client = FedSGDClient("eval", 3), FedSGDClient("train", 3)
-    e1, e2 = eval_client.per_example_gradients(dropout_model, names, ids), eval_client.per_example_gradients(dropout_model, names, ids)
+    e1, e2 = per_example_text(eval_client, dropout_model, names, ids), per_example_text(eval_client, dropout_model, names, ids)
     assert e1.shape[:2] == (2, 3) and torch.equal(e1, e2)  # eval: deterministic
-    t1 = train_client.per_example_gradients(dropout_model, names, ids)
+    t1 = per_example_text(train_client, dropout_model, names, ids)
     assert not torch.allclose(t1, e1)  # train mode: the client's own dropout masks
     assert dropout_model.training is False  # the client restores the model's mode
-    with pytest.raises(ValueError, match="sequences per update"):
-        FedSGDClient("eval", 2).per_example_gradients(dropout_model, names, ids)
+    with pytest.raises(ValueError, match="samples per update"):
+        per_example_text(FedSGDClient("eval", 2), dropout_model, names, ids)
     with pytest.raises(ValueError, match="client mode"):
         FedSGDClient("inference")
 
 
 def test_pipeline_observes_defended_hashed_updates(tiny_transformer3):
-    pipe = UpdatePipeline(tiny_transformer3, FedSGDClient("eval"), Sign(), hash_bins=64)
+    pipe = UpdatePipeline(tiny_transformer3, FedSGDClient("eval"), Sign(), hashing=Hashing(bins=64))
     ids = torch.randint(0, 300, (3, 1, 8))
-    out = pipe(ids, keep_update=True)
+    out = pipe({"input_ids": ids}, keep_update=True)
     assert out.features.shape == (3, 64) and out.update.shape == (3, pipe.observed_dim)
     assert set(out.update.unique().tolist()) <= {-1.0, 0.0, 1.0}
     parts = pipe.split(out.update)
@@ -110,15 +110,15 @@ def test_pipeline_observes_defended_hashed_updates(tiny_transformer3):
 def test_pipeline_rejects_non_finite_updates(tiny_transformer3):
     with torch.no_grad():
         tiny_transformer3.encoder.layers[0].linear1.weight[0, 0] = float("nan")
-    pipe = UpdatePipeline(tiny_transformer3, FedSGDClient("eval"), hash_bins=16)
+    pipe = UpdatePipeline(tiny_transformer3, FedSGDClient("eval"), hashing=Hashing(bins=16))
     with pytest.raises(FloatingPointError, match="non-finite client update"):
-        pipe(torch.randint(0, 300, (2, 1, 8)))
+        pipe({"input_ids": torch.randint(0, 300, (2, 1, 8))})
 
 
 def test_pipeline_works_under_inference_mode(tiny_transformer3):
     """Lightning validates under torch.inference_mode(); the pipeline must still get gradients."""
-    pipe = UpdatePipeline(tiny_transformer3, FedSGDClient("eval"), hash_bins=16)
+    pipe = UpdatePipeline(tiny_transformer3, FedSGDClient("eval"), hashing=Hashing(bins=16))
     ids = torch.randint(0, 300, (2, 1, 8))
-    expected = pipe(ids).features
+    expected = pipe({"input_ids": ids}).features
     with torch.inference_mode():
-        torch.testing.assert_close(pipe(ids).features, expected)
+        torch.testing.assert_close(pipe({"input_ids": ids}).features, expected)

@@ -5,15 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-import datamodules.federated.client as client
-from datamodules.federated.client import (
-    FedSGDClient,
+import datamodules.federated.engines.next_token as client
+from conftest import per_example_text
+from datamodules.federated import FedSGDClient
+from datamodules.federated.engines.next_token import (
     per_example_gradients,
     per_example_gradients_loop,
     per_example_gradients_vmap,
 )
 from datamodules.federated.observed import ParameterSelection
-from datamodules.federated.transformer3_grads import transformer3_per_example_gradients
+from datamodules.federated.engines.transformer3 import transformer3_per_example_gradients
 from datamodules.targets.transformer3 import Transformer3
 
 VOCAB, LENGTH = 500, 7
@@ -154,8 +155,8 @@ def test_client_vmap_and_loop_agree():
     model = small()
     ids = tokens(num=6).view(3, 2, LENGTH)
     names = observed(model)
-    fast = FedSGDClient(mode="eval", sequences_per_update=2).per_example_gradients(model, names, ids)
-    slow = FedSGDClient(mode="eval", sequences_per_update=2, implementation="loop").per_example_gradients(model, names, ids)
+    fast = per_example_text(FedSGDClient(mode="eval", samples_per_update=2), model, names, ids)
+    slow = per_example_text(FedSGDClient(mode="eval", samples_per_update=2, implementation="loop"), model, names, ids)
     assert rel(fast, slow) < 1e-5
 
 

@@ -10,10 +10,9 @@ import pytest
 import torch
 import yaml
 
-from datamodules.federated import FeatureHasher, GaussianNoise, Sign
-from datamodules.vision import (
-    VISION_DATASETS, VisionClient, VisionUpdatePipeline, load_vision_dataset, per_sample_gradients, per_sample_gradients_loop,
-)
+from datamodules.federated import ClassificationLoss, FeatureHasher, FedSGDClient, GaussianNoise, Hashing, Sign, UpdatePipeline
+from datamodules.federated.engines.classification import per_sample_gradients, per_sample_gradients_loop
+from datamodules.vision import VISION_DATASETS, load_vision_dataset
 from datamodules.targets.vision import FCNN, LeNet, VISION_TARGETS
 
 needs = lambda package: pytest.mark.skipif(importlib.util.find_spec(package) is None, reason=f"{package} not installed")  # noqa: E731
@@ -134,9 +133,9 @@ def test_per_sample_gradients_vmap_equals_the_loop(make):
 
 def test_pipeline_update_is_the_clients_minibatch_gradient_hashed():
     model = FCNN(input_shape=(1, 8, 8), hidden=16, num_layers=3)
-    pipeline = VisionUpdatePipeline(model, VisionClient(samples_per_update=3), hash_fraction=0.1)
+    pipeline = UpdatePipeline(model, FedSGDClient(samples_per_update=3), hashing=Hashing(fraction=0.1), loss=ClassificationLoss())
     inputs, labels = torch.rand(2, 3, 1, 8, 8), torch.randint(0, 10, (2, 3))
-    observed = pipeline(inputs, labels, keep_update=True)
+    observed = pipeline({"inputs": inputs, "labels": labels}, keep_update=True)
     for u in range(2):  # FedSGD: the gradient of the mean loss over the client's 3 samples
         params = [p.detach().requires_grad_(True) for p in model.parameters()]
         reference = torch.cat([g.flatten() for g in torch.autograd.grad(
@@ -146,19 +145,23 @@ def test_pipeline_update_is_the_clients_minibatch_gradient_hashed():
     torch.testing.assert_close(observed.features, FeatureHasher(pipeline.spec)(observed.update))
     assert observed.features.shape == (2, pipeline.spec.num_bins) == (2, round(0.1 * pipeline.observed_dim))
     assert set(pipeline.split(observed.update)) == set(pipeline.names)
-    assert pipeline(inputs, labels).update is None
+    assert pipeline({"inputs": inputs, "labels": labels}).update is None
+
+
+def images_pipeline(model, defense=None):
+    return UpdatePipeline(model, FedSGDClient(), defense, hashing=Hashing(fraction=1.0), loss=ClassificationLoss())
 
 
 def test_pipeline_applies_the_shared_defenses():
     model = FCNN(input_shape=(4,), num_classes=2, hidden=8, num_layers=2)
     inputs, labels = torch.rand(3, 1, 4), torch.randint(0, 2, (3, 1))
-    raw = VisionUpdatePipeline(model, hash_fraction=1.0)(inputs, labels, keep_update=True).update
-    signed = VisionUpdatePipeline(model, defense=Sign(), hash_fraction=1.0)(inputs, labels, keep_update=True).update
+    raw = images_pipeline(model)({"inputs": inputs, "labels": labels}, keep_update=True).update
+    signed = images_pipeline(model, defense=Sign())({"inputs": inputs, "labels": labels}, keep_update=True).update
     assert torch.equal(signed, torch.sign(raw))
-    noisy = VisionUpdatePipeline(model, defense=GaussianNoise(0.1), hash_fraction=1.0)(inputs, labels, keep_update=True).update
+    noisy = images_pipeline(model, defense=GaussianNoise(0.1))({"inputs": inputs, "labels": labels}, keep_update=True).update
     assert 0.05 < (noisy - raw).std() < 0.2
     with pytest.raises(ValueError, match=r"inputs must be \(updates, samples, 4\)"):
-        VisionUpdatePipeline(model)(torch.rand(3, 4), labels)
+        images_pipeline(model)({"inputs": torch.rand(3, 4), "labels": labels})
 
 
 def test_match_samples_undoes_a_permutation():

@@ -10,8 +10,9 @@ import math
 import pytest
 import torch
 
-from datamodules.federated import DPSGD, Sign
-from datamodules.vision import VisionClient, VisionFedAvgClient, VisionUpdatePipeline
+from datamodules.federated import DPSGD, Sign, ClassificationLoss, FedAvgClient, FedSGDClient, Hashing, UpdatePipeline
+
+from conftest import observe_images, per_example_images
 from datamodules.targets.vision import FCNN
 
 needs_sklearn = pytest.mark.skipif(importlib.util.find_spec("sklearn") is None, reason="sklearn not installed")
@@ -67,9 +68,9 @@ def test_vision_fedavg_delta_matches_a_manual_sgd_loop(epochs, batch, momentum):
     model = tiny_fcnn()
     names = [n for n, _ in model.named_parameters()]
     inputs, labels = data()
-    client = VisionFedAvgClient(4, local_epochs=epochs, minibatch_size=batch, lr=0.3, momentum=momentum, shuffle=False,
+    client = FedAvgClient(samples_per_update=4, local_epochs=epochs, minibatch_size=batch, lr=0.3, momentum=momentum, shuffle=False,
                                 mode="eval", dtype="float64")
-    update = client.observe(model, names, inputs, labels)
+    update = observe_images(client, model, names, inputs, labels)
     assert update.shape == (2, sum(p.numel() for p in model.parameters()))
     for u in range(2):
         assert relative_error(update[u].double(), manual_fedavg(model, inputs[u], labels[u], epochs, batch, 0.3, momentum)) < 1e-6
@@ -79,29 +80,29 @@ def test_vision_fedavg_shuffles_per_client_from_the_generator():
     model = tiny_fcnn()
     names = [n for n, _ in model.named_parameters()]
     inputs, labels = data()
-    client = VisionFedAvgClient(4, local_epochs=2, minibatch_size=2, lr=0.3, mode="eval", dtype="float64")
-    update = client.observe(model, names, inputs, labels, generator=torch.Generator().manual_seed(5))
+    client = FedAvgClient(samples_per_update=4, local_epochs=2, minibatch_size=2, lr=0.3, mode="eval", dtype="float64")
+    update = observe_images(client, model, names, inputs, labels, generator=torch.Generator().manual_seed(5))
     replay = torch.Generator().manual_seed(5)
     orders = [client.minibatch_order(2, replay, torch.device("cpu")) for _ in range(2)]
     for u in range(2):
         expected = manual_fedavg(model, inputs[u], labels[u], 2, 2, 0.3, orders=[orders[0][u], orders[1][u]])
         assert relative_error(update[u].double(), expected) < 1e-6
-    unshuffled = VisionFedAvgClient(4, local_epochs=2, minibatch_size=2, lr=0.3, mode="eval", dtype="float64", shuffle=False)
-    assert relative_error(unshuffled.observe(model, names, inputs, labels), update) > 1e-6
+    unshuffled = FedAvgClient(samples_per_update=4, local_epochs=2, minibatch_size=2, lr=0.3, mode="eval", dtype="float64", shuffle=False)
+    assert relative_error(observe_images(unshuffled, model, names, inputs, labels), update) > 1e-6
 
 
 def test_one_full_minibatch_is_lr_times_the_fedsgd_gradient_and_gradient_scale_undoes_it():
     model = tiny_fcnn()
     names = [n for n, _ in model.named_parameters()]
     inputs, labels = data()
-    fedsgd = VisionClient(4, mode="eval").per_example_gradients(model, names, inputs, labels).mean(dim=1)
-    client = VisionFedAvgClient(4, local_epochs=1, minibatch_size=4, lr=0.2, mode="eval", dtype="float64")
-    update = client.observe(model, names, inputs, labels)
+    fedsgd = per_example_images(FedSGDClient(samples_per_update=4, mode="eval"), model, names, inputs, labels).mean(dim=1)
+    client = FedAvgClient(samples_per_update=4, local_epochs=1, minibatch_size=4, lr=0.2, mode="eval", dtype="float64")
+    update = observe_images(client, model, names, inputs, labels)
     assert client.local_steps() == 1 and client.gradient_scale() == pytest.approx(5.0)
     assert relative_error(update.double() * client.gradient_scale(), fedsgd) < 1e-6
-    five = VisionFedAvgClient(5, local_epochs=3, minibatch_size=2, lr=0.1)
+    five = FedAvgClient(samples_per_update=5, local_epochs=3, minibatch_size=2, lr=0.1)
     assert five.local_steps() == 9 and five.privacy_steps() == (9, 0.4)
-    assert VisionClient().local_steps() == 1 and VisionClient().gradient_scale() == 1.0
+    assert FedSGDClient().local_steps() == 1 and FedSGDClient().gradient_scale() == 1.0
 
 
 def test_float32_deltas_lose_digits_to_cancellation_float64_deltas_do_not():
@@ -112,8 +113,8 @@ def test_float32_deltas_lose_digits_to_cancellation_float64_deltas_do_not():
     inputs, labels = data()
     exact = manual_fedavg(copy.deepcopy(model).double(), inputs[0], labels[0], 2, 2, 1e-3)  # exact arithmetic
     kwargs = dict(local_epochs=2, minibatch_size=2, lr=1e-3, shuffle=False, mode="eval")
-    f64 = VisionFedAvgClient(4, dtype="float64", **kwargs).observe(model, names, inputs.float(), labels)
-    f32 = VisionFedAvgClient(4, dtype="float32", **kwargs).observe(model, names, inputs.float(), labels)
+    f64 = observe_images(FedAvgClient(samples_per_update=4, dtype="float64", **kwargs), model, names, inputs.float(), labels)
+    f32 = observe_images(FedAvgClient(samples_per_update=4, dtype="float32", **kwargs), model, names, inputs.float(), labels)
     assert f64.dtype == f32.dtype == torch.float32  # the update the server sees is float32 either way
     assert relative_error(f64[0].double(), exact) < 1e-6
     assert relative_error(f32[0].double(), exact) > 1e-5
@@ -123,39 +124,39 @@ def test_dpsgd_clips_every_sample_at_every_local_step_and_other_defenses_act_on_
     model = tiny_fcnn()
     names = [n for n, _ in model.named_parameters()]
     inputs, labels = data()
-    client = VisionFedAvgClient(4, local_epochs=2, minibatch_size=2, lr=0.5, shuffle=False, mode="eval", dtype="float64")
-    clipped = client.observe(model, names, inputs, labels, defense=DPSGD(0.05, 0.0))
+    client = FedAvgClient(samples_per_update=4, local_epochs=2, minibatch_size=2, lr=0.5, shuffle=False, mode="eval", dtype="float64")
+    clipped = observe_images(client, model, names, inputs, labels, defense=DPSGD(0.05, 0.0))
     for u in range(2):
         expected = manual_fedavg(model, inputs[u], labels[u], 2, 2, 0.5, clip=0.05)
         assert relative_error(clipped[u].double(), expected) < 1e-6
     assert DPSGD().privacy(*client.privacy_steps())["steps"] == 4
-    raw = client.observe(model, names, inputs, labels)
-    assert torch.equal(client.observe(model, names, inputs, labels, defense=Sign()), torch.sign(raw))
+    raw = observe_images(client, model, names, inputs, labels)
+    assert torch.equal(observe_images(client, model, names, inputs, labels, defense=Sign()), torch.sign(raw))
 
 
 def test_vision_fedavg_rejects_bad_arguments_in_one_line():
     with pytest.raises(ValueError, match="samples_per_update=0 must be >= 1"):
-        VisionFedAvgClient(0)
+        FedAvgClient(samples_per_update=0)
     with pytest.raises(ValueError, match="FedAvg lr=0.0 must be a finite number > 0"):
-        VisionFedAvgClient(lr=0.0)
+        FedAvgClient(lr=0.0)
     with pytest.raises(ValueError, match="client dtype 'float16' is not allowed"):
-        VisionFedAvgClient(dtype="float16")
+        FedAvgClient(dtype="float16")
     model = tiny_fcnn()
     inputs, labels = data(n=3)
     with pytest.raises(ValueError, match="batch has 3 samples per update, client expects 4"):
-        VisionFedAvgClient(4).observe(model, [n for n, _ in model.named_parameters()], inputs, labels)
+        observe_images(FedAvgClient(samples_per_update=4), model, [n for n, _ in model.named_parameters()], inputs, labels)
 
 
 def test_pipeline_hashes_the_fedavg_delta_and_names_a_non_finite_parameter():
     model = tiny_fcnn(torch.float32)
-    client = VisionFedAvgClient(4, local_epochs=1, minibatch_size=2, lr=0.1, shuffle=False, mode="eval")
-    pipeline = VisionUpdatePipeline(model, client, hash_fraction=0.5)
+    client = FedAvgClient(samples_per_update=4, local_epochs=1, minibatch_size=2, lr=0.1, shuffle=False, mode="eval")
+    pipeline = UpdatePipeline(model, client, hashing=Hashing(fraction=0.5), loss=ClassificationLoss())
     inputs, labels = data()
-    observed = pipeline(inputs.float(), labels, keep_update=True)
-    torch.testing.assert_close(observed.update, client.observe(model, pipeline.names, inputs.float(), labels))
+    observed = pipeline({"inputs": inputs.float(), "labels": labels}, keep_update=True)
+    torch.testing.assert_close(observed.update, observe_images(client, model, pipeline.names, inputs.float(), labels))
     torch.testing.assert_close(observed.features, pipeline.hasher(observed.update))
     with pytest.raises(FloatingPointError, match="non-finite client update .* in parameter 'layers.0.weight'"):
-        pipeline(torch.full_like(inputs.float(), float("nan")), labels)
+        pipeline({"inputs": torch.full_like(inputs.float(), float("nan")), "labels": labels})
 
 
 # ------------------------------------------------------------------------------------------- through the CLI
@@ -172,7 +173,7 @@ def _config(tmp_path, client, **data):
         "data": {"class_path": "datamodules.vision_inversion.ImageInversionDataModule", "init_args": {
             "dataset": "digits",
             "target": {"class_path": "datamodules.targets.vision.FCNN", "init_args": {"input_shape": [1, 8, 8], "hidden": 64, "num_layers": 3}},
-            "client": {"class_path": "datamodules.vision.VisionFedAvgClient", "init_args": client},
+            "client": {"class_path": "datamodules.federated.FedAvgClient", "init_args": client},
             "batch_size": 4, "train_samples": 64, "eval_samples": 16, **data}},
         "checkpoint": {"dirpath": str(tmp_path / "ckpt")},
         "results": {"print_table": False},
@@ -193,7 +194,8 @@ def test_spear_recovers_images_from_float64_fedavg_deltas_through_the_callback(t
           "--trainer.callbacks.init_args.attack.init_args.max_seconds", "5", "--data.init_args.eval_samples", "8"])
     result = json.loads((tmp_path / "run" / "test_metrics.json").read_text())
     metrics = result["metrics"]
-    assert result["setting"]["client"].startswith("VisionFedAvgClient(samples_per_update=2, local_epochs=2")
+    assert result["setting"]["client"]["name"] == "fedavg"
+    assert (result["setting"]["client"]["samples_per_update"], result["setting"]["client"]["local_epochs"]) == (2, 2)
     assert metrics["test/spear/rows_recovered"] == pytest.approx(1.0)
     assert metrics["test/spear/psnr"] > 100.0
 

@@ -1,13 +1,6 @@
 """What a federated-learning server observes: client updates, defenses, feature hashing (no Lightning)."""
 
 from datamodules.federated.accounting import dp_epsilon
-from datamodules.federated.client import (
-    CLIENT_PROTOCOLS,
-    ClientProtocol,
-    FedSGDClient,
-    per_example_gradients,
-    per_example_gradients_loop,
-)
 from datamodules.federated.defenses import (
     DEFENSES,
     Compose,
@@ -18,16 +11,17 @@ from datamodules.federated.defenses import (
     Sign,
     TopKPruning,
 )
-from datamodules.federated.hashing import FeatureHasher, HashSpec, murmur3_32
+from datamodules.federated.hashing import FeatureHasher, Hashing, HashSpec, murmur3_32
+from datamodules.federated.losses import CLIENT_LOSSES, ClassificationLoss, ClientLoss, NextTokenLoss
 from datamodules.federated.observed import ParameterSelection
 from datamodules.federated.pipeline import ObservedUpdates, UpdatePipeline
-from datamodules.federated.presets import LORA_TARGETS, PARTIAL_PRESETS, preset_patterns
-from datamodules.federated.protocols import FedAvgClient, LoRAClient
+from datamodules.targets.architectures import LORA_TARGETS, PARTIAL_PRESETS, preset_patterns
+from datamodules.federated.protocols import CLIENT_PROTOCOLS, ClientProtocol, FedAvgClient, FedSGDClient, LoRAClient, Observation
 
 __all__ = [
     "CLIENT_PROTOCOLS", "ClientProtocol", "FedAvgClient", "LoRAClient", "dp_epsilon",
     "LORA_TARGETS", "PARTIAL_PRESETS", "preset_patterns", "Compose",
     "DEFENSES", "Defense", "DPSGD", "GaussianNoise", "NoDefense", "Sign", "TopKPruning",
-    "FedSGDClient", "per_example_gradients", "per_example_gradients_loop",
-    "FeatureHasher", "HashSpec", "murmur3_32", "ParameterSelection", "ObservedUpdates", "UpdatePipeline",
+    "FedSGDClient", "Observation", "CLIENT_LOSSES", "ClientLoss", "NextTokenLoss", "ClassificationLoss",
+    "FeatureHasher", "Hashing", "HashSpec", "murmur3_32", "ParameterSelection", "ObservedUpdates", "UpdatePipeline",
 ]

@@ -1,4 +1,4 @@
-"""Client-side defenses, applied to what the client sends (DESIGN.md section 3).
+"""Client-side defenses, applied to what the client sends (docs/design.md §3).
 
 A defense maps per-sequence gradients (U, m, D) of U updates with m sequences each to the U defended
 updates (U, D). Sign and pruning act on the raw update (the mean gradient); Gaussian noise is

@@ -104,6 +104,30 @@ class HashSpec:
         return f"target model weights differ (fingerprint: checkpoint {other.target_fingerprint}, now {self.target_fingerprint})"
 
 
+@dataclass(frozen=True)
+class Hashing:
+    """How observed updates are hashed, before the observed parameters are known: `fraction` of the
+    update's dimension D as bins (or exactly `bins`), the mmh3 `seed`, and `signed` (a second hash
+    gives every coordinate a sign). `spec(...)` fixes it to a `HashSpec` for given parameters."""
+
+    fraction: float | None = 0.1
+    bins: int | None = None
+    seed: int = 0
+    signed: bool = False
+
+    def spec(self, parameters: tuple[tuple[str, tuple[int, ...]], ...], target_fingerprint: str = "") -> HashSpec:
+        dim = sum(math.prod(shape) for _, shape in parameters)
+        bins = self.bins
+        if bins is None:
+            if self.fraction is None or not 0.0 < self.fraction <= 1.0:
+                raise ValueError(f"hash_fraction={self.fraction} must be in (0, 1] (or give hash_bins)")
+            bins = max(1, round(self.fraction * dim))
+        if bins < 1:
+            raise ValueError(f"hash_bins={bins} must be >= 1")
+        return HashSpec(num_bins=int(bins), seed=int(self.seed), signed=bool(self.signed), parameters=parameters,
+                        target_fingerprint=target_fingerprint)
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("LTI_CACHE_DIR", Path.home() / ".cache" / "lti"))
 

@@ -7,7 +7,7 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 
-from datamodules.federated.presets import preset_patterns
+from datamodules.targets.architectures import preset_patterns
 
 
 class ParameterSelection:
@@ -25,7 +25,7 @@ class ParameterSelection:
                 (the LTI paper's: token embedding and tied decoder weight/bias are not observed).
             preset: Partial-observation preset(s) `layer<i>_<part>` (i 0-based as in the parameter
                 names; part: query, key, value, attn_qkv, attn_out, ffn_in, ffn_out, attn, ffn, norms,
-                all), resolved per architecture (see `datamodules.federated.presets`). A preset
+                all), resolved per architecture (see `datamodules.targets.architectures`). A preset
                 replaces `include`, which must then stay at its default `['*']`.
         """
         if not include:

@@ -1,4 +1,10 @@
-"""Token batch -> client update -> defense -> hashed features: everything the server sees, in one place."""
+"""Client batch -> client update -> defense -> hashed features: everything the server sees, in one place.
+
+One pipeline for every modality: the client's loss (`NextTokenLoss` for text, `ClassificationLoss`
+for images and tables) says which batch fields a client holds and how its gradients are computed;
+the protocol (FedSGD, FedAvg, LoRA), the defense, the parameter selection and the hashing are the
+same objects for all of them. No Lightning.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +15,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from datamodules.federated.client import ClientProtocol, FedSGDClient
 from datamodules.federated.defenses import Defense, NoDefense
-from datamodules.federated.hashing import FeatureHasher, HashSpec
+from datamodules.federated.hashing import FeatureHasher, Hashing
+from datamodules.federated.losses import ClientBatch, ClientLoss, NextTokenLoss
 from datamodules.federated.observed import ParameterSelection
-from datamodules.targets.base import TargetLM
+from datamodules.federated.protocols import ClientProtocol, FedSGDClient, Observation
 
 
 def target_fingerprint(target: nn.Module) -> str:
@@ -33,31 +39,40 @@ class ObservedUpdates:
     update: Tensor | None  # (U, D) defended updates: what exact attacks read (kept on evaluation only)
 
 
-class HashedObservation(nn.Module):
-    """What every update pipeline shares (text and vision): the observed parameters `names` of the
-    fixed global model `target`, their hash spec and hasher, and splitting flat updates by parameter."""
+class UpdatePipeline(nn.Module):
+    """The fixed global model `target`, the client protocol, the defense, the observed parameters
+    (`names`) and their hash spec: `forward(batch)` turns U clients' batches into what the server sees.
 
-    target: nn.Module
-    names: list[str]
+    `.target`, `.client`, `.defense`, `.names`, `.spec`, `.hasher`, `.observed_dim` and
+    `.split(update)` are what the datamodules and the exact attacks read.
+    """
 
-    def _bind_hashing(
-        self, target: nn.Module, hash_fraction: float | None, hash_bins: int | None, hash_seed: int, hash_signed: bool
+    def __init__(
+        self,
+        target: nn.Module,
+        client: ClientProtocol | None = None,
+        defense: Defense | None = None,
+        observed: ParameterSelection | None = None,
+        hashing: Hashing | None = None,
+        loss: ClientLoss | None = None,
     ) -> None:
+        """`loss`: the client's training loss (default: next-token, text clients); `hashing`: how
+        updates are hashed (default: 10% of the observed dimension as bins)."""
+        super().__init__()
+        self.loss = loss or NextTokenLoss()
+        self.client = client or FedSGDClient()
+        # The protocol may change the global model the clients train (LoRA injects adapters, in
+        # place) and which parameters are observed (LoRA: only the adapters).
+        target = self.client.prepare(target)
+        self.target = target
+        self.defense = defense or NoDefense()
+        self.observed = observed or ParameterSelection()
+        self.names = self.client.observed_names(target, self.observed)
         params = dict(target.named_parameters())
-        shapes = tuple((name, tuple(params[name].shape)) for name in self.names)
-        dim = sum(math.prod(shape) for _, shape in shapes)
-        if hash_bins is None:
-            if hash_fraction is None or not 0.0 < hash_fraction <= 1.0:
-                raise ValueError(f"hash_fraction={hash_fraction} must be in (0, 1] (or give hash_bins)")
-            hash_bins = max(1, round(hash_fraction * dim))
-        if hash_bins < 1:
-            raise ValueError(f"hash_bins={hash_bins} must be >= 1")
         for p in target.parameters():
             p.requires_grad_(False)  # the global model is fixed; only copies get gradients
-        self.spec = HashSpec(
-            num_bins=int(hash_bins), seed=int(hash_seed), signed=bool(hash_signed), parameters=shapes,
-            target_fingerprint=target_fingerprint(target),
-        )
+        shapes = tuple((name, tuple(params[name].shape)) for name in self.names)
+        self.spec = (hashing or Hashing()).spec(shapes, target_fingerprint(target))
         self.hasher = FeatureHasher(self.spec)
 
     @property
@@ -72,6 +87,24 @@ class HashedObservation(nn.Module):
             out[name] = update[:, start : start + size].view(update.shape[0], *shape)
             start += size
         return out
+
+    def forward(self, batch: ClientBatch, keep_update: bool = False, generator: torch.Generator | None = None) -> ObservedUpdates:
+        """A client batch (`loss.fields`, each (U, m, ...)) of U client updates -> what the server observes."""
+        if not isinstance(batch, dict):
+            raise TypeError(f"the batch must be a dict of fields ({', '.join(self.loss.fields)}), got {type(batch).__name__}")
+        unknown = set(batch) - set(self.loss.fields)
+        if unknown:
+            raise ValueError(f"batch fields {sorted(unknown)} are not {type(self.loss).__name__}'s ({', '.join(self.loss.fields)})")
+        self.loss.validate(batch, self.target)
+        # Gradients are needed even when called under Lightning's inference mode (validation):
+        # leave it, and copy the batch so it is not an inference tensor.
+        with torch.inference_mode(False), torch.enable_grad():
+            batch = {name: value.clone() for name, value in batch.items() if value is not None}
+            observation = Observation(self.target, self.names, self.loss, self.defense, generator, self._check_finite)
+            update = self.client.observe(batch, observation)
+            with torch.no_grad():
+                features = self.hasher(update)
+        return ObservedUpdates(features=features, update=update if keep_update else None)
 
     def _check_finite(self, values: Tensor) -> None:
         """Raise on nan/inf in raw client gradients (..., D) before the defense hides them."""
@@ -89,49 +122,3 @@ class HashedObservation(nn.Module):
                 return i
             start += size
         return 0
-
-
-class UpdatePipeline(HashedObservation):
-    def __init__(
-        self,
-        target: TargetLM,
-        client: ClientProtocol | None = None,
-        defense: Defense | None = None,
-        observed: ParameterSelection | None = None,
-        hash_fraction: float | None = 0.1,
-        hash_bins: int | None = None,
-        hash_seed: int = 0,
-        hash_signed: bool = False,
-    ) -> None:
-        super().__init__()
-        self.client = client or FedSGDClient()
-        # The protocol may change the global model the clients train (LoRA injects adapters, in
-        # place) and which parameters are observed (LoRA: only the adapters).
-        target = self.client.prepare(target)
-        self.target = target
-        self.defense = defense or NoDefense()
-        self.observed = observed or ParameterSelection()
-        self.names = self.client.observed_names(target, self.observed)
-        self._bind_hashing(target, hash_fraction, hash_bins, hash_seed, hash_signed)
-
-    def forward(
-        self,
-        input_ids: Tensor,
-        attention_mask: Tensor | None = None,
-        keep_update: bool = False,
-        generator: torch.Generator | None = None,
-    ) -> ObservedUpdates:
-        """(U, m, L) token ids of U client updates -> what the server observes."""
-        if input_ids.dim() != 3:
-            raise ValueError(f"input_ids must be (updates, sequences, length), got {tuple(input_ids.shape)}")
-        # Gradients are needed even when called under Lightning's inference mode (validation):
-        # leave it, and copy the batch so it is not an inference tensor.
-        with torch.inference_mode(False), torch.enable_grad():
-            input_ids = input_ids.clone()
-            attention_mask = None if attention_mask is None else attention_mask.clone()
-            update = self.client.observe(
-                self.target, self.names, input_ids, attention_mask, self.defense, generator, self._check_finite
-            )
-            with torch.no_grad():
-                features = self.hasher(update)
-        return ObservedUpdates(features=features, update=update if keep_update else None)

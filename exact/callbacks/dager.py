@@ -16,7 +16,6 @@ The attack never reads the true tokens; they are used here for the metrics only.
 
 from __future__ import annotations
 
-import copy
 import time
 from typing import Any
 
@@ -60,15 +59,16 @@ class DagerCallback(ExactAttackCallback):
         self.multi_step_threshold = multi_step_threshold
 
     def _attack_for(self, pipeline: Any) -> Dager:
-        """The configured attack, with thresholds loosened for multi-step clients (a shallow copy)."""
+        """The configured attack, or for multi-step clients a new one derived from it with the
+        thresholds loosened (`Dager.with_options`; the configured attack is never modified)."""
         client = getattr(pipeline, "client", None)
         steps = client.local_steps() if client is not None and hasattr(client, "local_steps") else 1
         if steps <= 1 or self.multi_step_threshold is None:
             return self.attack
-        attack = copy.copy(self.attack)
-        attack.l1_threshold = max(attack.l1_threshold, self.multi_step_threshold)
-        attack.l2_threshold = max(attack.l2_threshold, self.multi_step_threshold)
-        return attack
+        return self.attack.with_options(
+            l1_threshold=max(self.attack.l1_threshold, self.multi_step_threshold),
+            l2_threshold=max(self.attack.l2_threshold, self.multi_step_threshold),
+        )
 
     def _run(self, trainer: Trainer, pl_module: LightningModule, batch: dict, update: torch.Tensor, pipeline: Any,
              stage: str) -> None:

@@ -11,19 +11,21 @@ inputs, for the metrics only, come from running the global model (eval mode) on 
 `inputs` (images/tables) or `input_ids` (text) with a forward hook on the layer.
 
 With `prior_samples > 0`, SPEAR is guided by the layer inputs of that many of the server's auxiliary
-samples (`datamodule.auxiliary_inputs`, the same data LTI trains on; see `Spear._guided`): the threat
-model of the learned attacks, and orders of magnitude fewer draws at B >= 20. 0 is the paper's SPEAR.
+samples (`datamodule.auxiliary_inputs`, the same data LTI trains on; see `exact.spear.prior.guided`):
+the threat model of the learned attacks, and orders of magnitude fewer draws at B >= 20. 0 is the
+paper's SPEAR.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
 
-from datamodules.metrics import psnr
+from datamodules.metrics import discrete_accuracy, psnr
 from exact.callbacks.base import ExactAttackCallback
 from exact.spear import ReluLinear, Spear, relu_linear_layer
 
@@ -113,15 +115,11 @@ class SpearCallback(ExactAttackCallback):
             return
         if layer.followed_by_relu is False:
             self._warn("relu", f"layer {self.layer!r} is not followed by a ReLU; SPEAR's assumptions do not hold")
-        if "inputs" in batch:
-            model_inputs, text = batch["inputs"], False
-        elif "input_ids" in batch:
-            model_inputs, text = batch["input_ids"], True
-            if model_inputs.dim() == 2:  # one sequence per update
-                model_inputs = model_inputs[:, None]
-        else:
+        found = _model_inputs(batch)
+        if found is None:
             self._warn("truth", "the batch has neither 'inputs' nor 'input_ids'; SPEAR is skipped")
             return
+        model_inputs, text = found
         start = time.perf_counter()
         updates = model_inputs.shape[0]
         count = self._count(updates)
@@ -133,10 +131,7 @@ class SpearCallback(ExactAttackCallback):
         data = getattr(trainer.datamodule, "data", None)
         images = not text and model_inputs.dim() == 5
         prior = self._prior(trainer, target, layer)
-        certified = rows = recovered = 0
-        cosine_sum = psnr_sum = 0.0
-        psnr_count = discrete_total = discrete_correct = 0
-        mae_sum, mae_count = 0.0, 0
+        tally = _Tally()
         for u in range(count):
             truth = self._layer_inputs(target, layer, model_inputs[u]).double().cpu()
             bias_grad = split[layer.bias_name][u] if layer.bias_name in split else None
@@ -144,45 +139,95 @@ class SpearCallback(ExactAttackCallback):
                 split[layer.weight_name][u], bias_grad, batch_size=truth.shape[0] if self.known_batch_size else None,
                 weight=layer.module.weight, bias=layer.module.bias, prior=prior,
             )
-            certified += int(result.exact)
-            rows += truth.shape[0]
+            tally.certified += int(result.exact)
+            tally.rows += truth.shape[0]
             recovered_rows = result.inputs.double().cpu()
             if recovered_rows.shape[0] == 0:
                 continue
-            cos = torch.nn.functional.normalize(truth, dim=1) @ torch.nn.functional.normalize(recovered_rows, dim=1).T
-            best, match = cos.max(dim=1)
-            cosine_sum += float(best.sum())
-            recovered += int((best > self.row_threshold).sum())
-            matched = recovered_rows[match]
+            matched = tally.add_match(truth, recovered_rows, self.row_threshold)
             flat = model_inputs[u].reshape(truth.shape[0], -1).double().cpu() if not text else None
             first_layer = flat is not None and flat.shape == truth.shape and torch.allclose(flat, truth)
             if images and first_layer and float(flat.min()) >= 0.0 and float(flat.max()) <= 1.0:
-                mse = ((matched - truth) ** 2).mean(dim=1)
-                psnr_sum += float(psnr(mse, min_mse=1e-30).sum())  # exact rows: up to 300 dB
-                psnr_count += truth.shape[0]
+                tally.add_psnr(matched, truth)
             if columns and first_layer:
-                for column in columns:
-                    kind, where = (column.kind, column.slice) if hasattr(column, "kind") else (column[1], column[2])
-                    if kind == "discrete":
-                        discrete_correct += int((matched[:, where].argmax(1) == truth[:, where].argmax(1)).sum())
-                        discrete_total += truth.shape[0]
-                if data is not None and hasattr(data, "destandardize"):
-                    raw_true, raw_pred = data.destandardize(truth), data.destandardize(matched)
-                    for column in columns:
-                        kind, where = (column.kind, column.slice) if hasattr(column, "kind") else (column[1], column[2])
-                        if kind == "continuous":
-                            mae_sum += float((raw_pred[:, where] - raw_true[:, where]).abs().sum())
-                            mae_count += truth.shape[0]
-        seconds = time.perf_counter() - start
-        prefix = f"{stage}/spear"
-        common = dict(on_step=False, on_epoch=True, sync_dist=True)
-        pl_module.log(f"{prefix}/exact_fraction", certified / max(1, count), batch_size=max(1, count), **common)
-        pl_module.log(f"{prefix}/cosine", cosine_sum / max(1, rows), batch_size=max(1, rows), **common)
-        pl_module.log(f"{prefix}/rows_recovered", recovered / max(1, rows), batch_size=max(1, rows), **common)
+                tally.add_table(matched, truth, columns, data)
+        tally.log(pl_module, f"{stage}/spear", count, time.perf_counter() - start)
+
+
+def _model_inputs(batch: dict) -> tuple[torch.Tensor, bool] | None:
+    """(What the global model is run on per update, whether it is text); None when the batch has neither."""
+    if "inputs" in batch:
+        return batch["inputs"], False
+    if "input_ids" in batch:
+        model_inputs = batch["input_ids"]
+        if model_inputs.dim() == 2:  # one sequence per update
+            model_inputs = model_inputs[:, None]
+        return model_inputs, True
+    return None
+
+
+def _column_parts(column: Any) -> tuple[str, slice]:
+    """(kind, slice) of a table column: a `TableColumn` or a (name, kind, slice) tuple."""
+    return (column.kind, column.slice) if hasattr(column, "kind") else (column[1], column[2])
+
+
+@dataclass
+class _Tally:
+    """Sums over one batch's attacked updates; `log` writes their means."""
+
+    certified: int = 0
+    rows: int = 0
+    recovered: int = 0
+    cosine_sum: float = 0.0
+    psnr_sum: float = 0.0
+    psnr_count: int = 0
+    discrete_correct: int = 0
+    discrete_total: int = 0
+    mae_sum: float = 0.0
+    mae_count: int = 0
+
+    def add_match(self, truth: torch.Tensor, recovered_rows: torch.Tensor, row_threshold: float) -> torch.Tensor:
+        """Count each true row's best cosine with a recovered row; return the best-matching recovered rows."""
+        cos = torch.nn.functional.normalize(truth, dim=1) @ torch.nn.functional.normalize(recovered_rows, dim=1).T
+        best, match = cos.max(dim=1)
+        self.cosine_sum += float(best.sum())
+        self.recovered += int((best > row_threshold).sum())
+        return recovered_rows[match]
+
+    def add_psnr(self, matched: torch.Tensor, truth: torch.Tensor) -> None:
+        mse = ((matched - truth) ** 2).mean(dim=1)
+        self.psnr_sum += float(psnr(mse, min_mse=1e-30).sum())  # exact rows: up to 300 dB
+        self.psnr_count += truth.shape[0]
+
+    def add_table(self, matched: torch.Tensor, truth: torch.Tensor, columns: list, data: Any) -> None:
+        """Discrete accuracy over all one-hot blocks of all rows; MAE of continuous columns in original units."""
+        columns = [_column_parts(column) for column in columns]
+        discrete = [where for kind, where in columns if kind == "discrete"]
+        if discrete:
+            # discrete_accuracy gives each row's fraction of recovered blocks; times the block count that is
+            # the row's (integer) number of recovered blocks, so the logged ratio stays correct / total.
+            fractions = discrete_accuracy(matched, truth, discrete)
+            self.discrete_correct += int((fractions * len(discrete)).round().sum())
+            self.discrete_total += truth.shape[0] * len(discrete)
+        if data is not None and hasattr(data, "destandardize"):
+            raw_true, raw_pred = data.destandardize(truth), data.destandardize(matched)
+            for kind, where in columns:
+                if kind == "continuous":
+                    self.mae_sum += float((raw_pred[:, where] - raw_true[:, where]).abs().sum())
+                    self.mae_count += truth.shape[0]
+
+    def log(self, pl_module: LightningModule, prefix: str, count: int, seconds: float) -> None:
+        common = {"on_step": False, "on_epoch": True, "sync_dist": True}
+        pl_module.log(f"{prefix}/exact_fraction", self.certified / max(1, count), batch_size=max(1, count), **common)
+        pl_module.log(f"{prefix}/cosine", self.cosine_sum / max(1, self.rows), batch_size=max(1, self.rows), **common)
+        pl_module.log(f"{prefix}/rows_recovered", self.recovered / max(1, self.rows), batch_size=max(1, self.rows),
+                      **common)
         pl_module.log(f"{prefix}/seconds_per_batch", seconds, batch_size=1, **common)
-        if psnr_count:
-            pl_module.log(f"{prefix}/psnr", psnr_sum / psnr_count, batch_size=psnr_count, **common)
-        if discrete_total:
-            pl_module.log(f"{prefix}/discrete_acc", discrete_correct / discrete_total, batch_size=discrete_total, **common)
-        if mae_count:
-            pl_module.log(f"{prefix}/continuous_mae", mae_sum / mae_count, batch_size=mae_count, **common)
+        if self.psnr_count:
+            pl_module.log(f"{prefix}/psnr", self.psnr_sum / self.psnr_count, batch_size=self.psnr_count, **common)
+        if self.discrete_total:
+            pl_module.log(f"{prefix}/discrete_acc", self.discrete_correct / self.discrete_total,
+                          batch_size=self.discrete_total, **common)
+        if self.mae_count:
+            pl_module.log(f"{prefix}/continuous_mae", self.mae_sum / self.mae_count, batch_size=self.mae_count,
+                          **common)

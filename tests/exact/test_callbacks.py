@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datamodules.federated.hashing import Hashing
+
 import json
 
 import pytest
@@ -57,11 +59,11 @@ def test_fedavg_updates_are_attacked_as_pseudo_gradients_with_looser_thresholds(
     from datamodules.targets import Transformer3
 
     torch.manual_seed(0)
-    client = FedAvgClient(mode="eval", sequences_per_update=4, local_epochs=2, minibatch_size=2, lr=0.01)
+    client = FedAvgClient(mode="eval", samples_per_update=4, local_epochs=2, minibatch_size=2, lr=0.01)
     assert client.local_steps() == 4 and client.gradient_scale() == pytest.approx(1 / (4 * 0.01))
-    pipeline = UpdatePipeline(Transformer3(), client=client, hash_bins=64)
+    pipeline = UpdatePipeline(Transformer3(), client=client, hashing=Hashing(bins=64))
     ids = torch.randint(1000, 5000, (1, 4, 16), generator=torch.Generator().manual_seed(0))
-    batch = {"input_ids": ids, "update": pipeline(ids, keep_update=True).update}
+    batch = {"input_ids": ids, "update": pipeline({"input_ids": ids}, keep_update=True).update}
 
     class Recorder:
         logged: dict = {}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datamodules.federated.hashing import Hashing
+
 import math
 
 import pytest
@@ -54,11 +56,10 @@ def client_update(target, ids, mask=None, defense=None, mode="eval", observe_all
     """The server's view of ONE client update: {parameter name: defended gradient}."""
     observed = ParameterSelection() if observe_all else ParameterSelection(include=find_layers(target).observed_names())
     pipeline = UpdatePipeline(
-        target, FedSGDClient(mode=mode, sequences_per_update=ids.shape[0]), defense or NoDefense(), observed,
-        hash_bins=1,
+        target, FedSGDClient(mode=mode, samples_per_update=ids.shape[0]), defense or NoDefense(), observed,
+        hashing=Hashing(bins=1),
     )
-    out = pipeline(ids[None], None if mask is None else mask[None], keep_update=True,
-                   generator=torch.Generator().manual_seed(0))
+    out = pipeline({"input_ids": ids[None], "attention_mask": None if mask is None else mask[None]}, keep_update=True, generator=torch.Generator().manual_seed(0))
     return {name: grads[0] for name, grads in pipeline.split(out.update).items()}
 
 
@@ -421,10 +422,10 @@ def test_dager_reads_lora_a_gradients_when_only_adapters_are_sent(arch, rank, re
 
     target = gpt2() if arch == "gpt2" else llama()
     pipeline = UpdatePipeline(target, client=LoRAClient(rank=rank, init_b_std=0.02, local=FedSGDClient(mode="eval")),
-                              hash_bins=16)
+                              hashing=Hashing(bins=16))
     assert all(".lora_" in name for name in pipeline.names)
     ids = torch.randint(3, VOCAB - 3, (1, 1, 12), generator=torch.Generator().manual_seed(1))
-    parts = pipeline.split(pipeline(ids, keep_update=True).update)
+    parts = pipeline.split(pipeline({"input_ids": ids}, keep_update=True).update)
     result = Dager().attack(pipeline.target, {name: grads[0] for name, grads in parts.items()}, batch_size=1, max_length=12)
     assert (result.sequences == [ids[0, 0, :-1].tolist()]) is recovered
     assert not result.exact  # the missing last token keeps it uncertified

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from datamodules.federated.hashing import Hashing
+
 import pytest
 import torch
 
 from datamodules.federated import FedSGDClient, NoDefense, ParameterSelection, UpdatePipeline
 from exact import Dager, find_layers, span_basis
-from exact.dager import _SecondLayer
+from exact.dager.probe import _SecondLayer
 from datamodules.targets import HFEncoderLM
 
 VOCAB, EOS, CLS = 300, 2, 1
@@ -17,9 +19,9 @@ def client_update(target, ids, mask):
     """The server's view of ONE client update (eval-mode FedSGD): {parameter name: gradient}."""
     observed = ParameterSelection(include=find_layers(target).observed_names())
     pipeline = UpdatePipeline(
-        target, FedSGDClient(mode="eval", sequences_per_update=ids.shape[0]), NoDefense(), observed, hash_bins=1
+        target, FedSGDClient(mode="eval", samples_per_update=ids.shape[0]), NoDefense(), observed, hashing=Hashing(bins=1)
     )
-    out = pipeline(ids[None], mask[None], keep_update=True, generator=torch.Generator().manual_seed(0))
+    out = pipeline({"input_ids": ids[None], "attention_mask": mask[None]}, keep_update=True, generator=torch.Generator().manual_seed(0))
     return {name: grads[0] for name, grads in pipeline.split(out.update).items()}
 
 

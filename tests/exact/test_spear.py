@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datamodules.federated.hashing import Hashing
+
 import math
 
 import pytest
@@ -182,9 +184,9 @@ def test_transformer3_ffn_inputs_are_recovered_from_a_real_client_update():
     from datamodules.targets import Transformer3
 
     model = Transformer3(vocab_size=200, hidden_size=32, num_heads=2, ffn_size=128, num_layers=2, max_positions=8)
-    pipeline = UpdatePipeline(model, client=FedSGDClient(mode="eval"), hash_bins=16)
+    pipeline = UpdatePipeline(model, client=FedSGDClient(mode="eval"), hashing=Hashing(bins=16))
     ids = torch.randint(0, 200, (1, 1, 8), generator=torch.Generator().manual_seed(0))
-    update = pipeline(ids, keep_update=True).update
+    update = pipeline({"input_ids": ids}, keep_update=True).update
     parts = pipeline.split(update)
     layer = relu_linear_layer(model, "encoder.layers.0.linear1")
     seen = []

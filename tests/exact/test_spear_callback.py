@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datamodules.federated.hashing import Hashing
+
 from types import SimpleNamespace
 
 import pytest
@@ -31,9 +33,9 @@ def test_text_batch_recovers_transformer3_ffn_inputs():
     from datamodules.targets import Transformer3
 
     model = Transformer3(vocab_size=200, hidden_size=32, num_heads=2, ffn_size=128, num_layers=2, max_positions=8)
-    pipeline = UpdatePipeline(model, client=FedSGDClient(mode="eval"), hash_bins=16)
+    pipeline = UpdatePipeline(model, client=FedSGDClient(mode="eval"), hashing=Hashing(bins=16))
     ids = torch.randint(0, 200, (2, 1, 8), generator=torch.Generator().manual_seed(0))
-    batch = {"input_ids": ids[:, 0], "update": pipeline(ids, keep_update=True).update}
+    batch = {"input_ids": ids[:, 0], "update": pipeline({"input_ids": ids}, keep_update=True).update}
     module = RecordingModule()
     callback = SpearCallback(layer="encoder.layers.0.linear1")
     callback.on_test_batch_end(trainer_with(pipeline), module, None, batch, 0)
@@ -51,11 +53,12 @@ def test_text_batch_recovers_transformer3_ffn_inputs():
 
 
 def _vision_pipeline(input_shape, samples, hidden=64):
-    vision = pytest.importorskip("datamodules.vision")
+    from datamodules.federated import ClassificationLoss, FedSGDClient, UpdatePipeline
     from datamodules.targets.vision import FCNN
 
     model = FCNN(input_shape=input_shape, num_classes=4, hidden=hidden, num_layers=3)
-    return vision.VisionUpdatePipeline(model, vision.VisionClient(samples_per_update=samples, mode="eval"), hash_bins=16)
+    return UpdatePipeline(model, FedSGDClient(samples_per_update=samples, mode="eval"), hashing=Hashing(bins=16),
+                          loss=ClassificationLoss())
 
 
 def test_image_batch_gets_psnr_and_exact_recovery():
@@ -63,7 +66,7 @@ def test_image_batch_gets_psnr_and_exact_recovery():
     gen = torch.Generator().manual_seed(0)
     inputs = torch.rand(2, 6, 1, 6, 6, generator=gen)
     labels = torch.randint(0, 4, (2, 6), generator=gen)
-    batch = {"inputs": inputs, "labels": labels, "update": pipeline(inputs, labels, keep_update=True).update}
+    batch = {"inputs": inputs, "labels": labels, "update": pipeline({"inputs": inputs, "labels": labels}, keep_update=True).update}
     module = RecordingModule()
     SpearCallback(layer="layers.0").on_validation_batch_end(trainer_with(pipeline), module, None, batch, 0)
     logged = module.logged
@@ -83,7 +86,7 @@ def test_table_batch_gets_discrete_accuracy_and_mae():
     rows[0, torch.arange(5), 1 + torch.randint(0, 3, (5,), generator=gen)] = 1.0
     rows[0, torch.arange(5), 5 + torch.randint(0, 4, (5,), generator=gen)] = 1.0
     labels = torch.randint(0, 4, (1, 5), generator=gen)
-    batch = {"inputs": rows, "labels": labels, "update": pipeline(rows, labels, keep_update=True).update}
+    batch = {"inputs": rows, "labels": labels, "update": pipeline({"inputs": rows, "labels": labels}, keep_update=True).update}
     data = SimpleNamespace(destandardize=lambda x: x * 10.0 + 40.0)  # original units
     module = RecordingModule()
     SpearCallback(layer="layers.0").on_test_batch_end(
@@ -100,7 +103,7 @@ def test_missing_update_or_layer_warns_and_skips():
     from datamodules.targets import Transformer3
 
     model = Transformer3(vocab_size=50, hidden_size=16, num_heads=2, ffn_size=32, num_layers=1, max_positions=8)
-    pipeline = UpdatePipeline(model, hash_bins=8)
+    pipeline = UpdatePipeline(model, hashing=Hashing(bins=8))
     module = RecordingModule()
     with pytest.warns(UserWarning, match="no 'update'"):
         SpearCallback(layer="encoder.layers.0.linear1").on_test_batch_end(
@@ -128,7 +131,7 @@ def test_prior_samples_guide_spear_with_the_servers_auxiliary_inputs():
 
     inputs, auxiliary = draw(12)[None], draw(400)
     labels = torch.randint(0, 4, (1, 12), generator=gen)
-    batch = {"inputs": inputs, "labels": labels, "update": pipeline(inputs, labels, keep_update=True).update}
+    batch = {"inputs": inputs, "labels": labels, "update": pipeline({"inputs": inputs, "labels": labels}, keep_update=True).update}
     asked = []
 
     def auxiliary_inputs(limit):

@@ -1,4 +1,4 @@
-"""Client step schedules, shared by the text and the vision clients. No Lightning.
+"""Client step schedules: FedSGD's single step and FedAvg's local SGD. No Lightning.
 
 `SingleStep` is FedSGD's: the update is one gradient. `LocalSGD` is FedAvg's:
 a FedAvg client runs E local epochs over its n samples in minibatches of B (the last minibatch of an
@@ -51,18 +51,19 @@ class LocalSGD(SingleStep):
     shuffle: bool
 
     def _init_local_sgd(
-        self, samples: tuple[str, int], local_epochs: int, minibatch_size: int, lr: float, momentum: float, shuffle: bool,
+        self, samples_per_update: int, local_epochs: int, minibatch_size: int, lr: float, momentum: float, shuffle: bool,
         trainable: Sequence[str] | None,
     ) -> None:
-        """Validates and stores the schedule; `samples` is (the protocol's name for n, n)."""
-        for key, value in (samples, ("local_epochs", local_epochs), ("minibatch_size", minibatch_size)):
+        """Validates and stores the schedule."""
+        for key, value in (("samples_per_update", samples_per_update), ("local_epochs", local_epochs),
+                           ("minibatch_size", minibatch_size)):
             if value < 1:
                 raise ValueError(f"FedAvg {key}={value} must be >= 1")
         if not (lr > 0.0 and math.isfinite(lr)):
             raise ValueError(f"FedAvg lr={lr} must be a finite number > 0")
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"FedAvg momentum={momentum} is outside [0, 1)")
-        self._local_samples = int(samples[1])
+        self._local_samples = int(samples_per_update)
         self.local_epochs = int(local_epochs)
         self.minibatch_size = int(minibatch_size)
         self.lr = float(lr)

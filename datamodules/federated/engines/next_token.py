@@ -1,10 +1,10 @@
-"""Per-sequence gradients of the next-token loss, the raw material of every client update.
+"""Gradient engines of the next-token loss (text clients): the raw material of every text client update.
 
 Implementations that must agree (tests compare them):
 
 * `per_example_gradients_loop`: the obvious reference, one forward/backward per sequence.
 * `per_example_gradients`: the fast path. For `Transformer3` it dispatches to the specialised engine
-  in `datamodules.federated.transformer3_grads` (one batched forward/backward with the shared
+  in `datamodules.federated.engines.transformer3` (one batched forward/backward with the shared
   weights, per-sequence weight gradients from saved layer inputs and output gradients); every other
   target uses `per_example_gradients_vmap`.
 * `per_example_gradients_vmap`: the generic fast path. The vocabulary projection (the head) dominates
@@ -20,27 +20,20 @@ Multi-step clients (FedAvg) need gradients of G clients, each at its *own* local
 `group_gradients_vmap`, Transformer3 engine with per-group weights) and
 `grouped_per_example_gradients` (per-sequence, for DP-SGD clipping at every local step).
 
-The client protocols themselves (`ClientProtocol`, registry `CLIENT_PROTOCOLS`) start here with
-`FedSGDClient`; FedAvg and LoRA live in `datamodules.federated.protocols`.
+The client protocols (`datamodules.federated.protocols`) reach these through `NextTokenLoss`
+(`datamodules.federated.losses`), the same way they reach the image/table engines.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
-from contextlib import contextmanager
-from typing import ClassVar, Literal
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
-from datamodules.federated.defenses import Defense, NoDefense
-from datamodules.federated.local_sgd import SingleStep
-from datamodules.federated.observed import ParameterSelection
-from datamodules.federated.transformer3_grads import engine_supports, transformer3_per_example_gradients
+from datamodules.federated.engines.transformer3 import engine_supports, transformer3_per_example_gradients
 from datamodules.targets.base import TargetLM, next_token_loss
-from datamodules.registry import Registry
 from datamodules.targets.transformer3 import Transformer3
 
 
@@ -258,157 +251,3 @@ def group_gradients_vmap(
     return torch.cat(
         [(torch.zeros_like(c) if d is None else d).reshape(groups, -1) for d, c in zip(grads, copies.values())], dim=1
     )
-
-
-# --------------------------------------------------------------------------------------------------
-# Client protocols: how a client turns its sequences into the update it sends
-# --------------------------------------------------------------------------------------------------
-
-CLIENT_PROTOCOLS: Registry["ClientProtocol"] = Registry("client protocol")
-
-#: Called on raw gradients/deltas before the defense; raises on nan/inf (the pipeline names the parameter).
-FiniteCheck = Callable[[Tensor], None]
-
-
-def _default_check(values: Tensor) -> None:
-    if not torch.isfinite(values.sum()) and not torch.isfinite(values).all():
-        raise FloatingPointError("non-finite client update (nan/inf); check the target model and data")
-
-
-@contextmanager
-def model_mode(target: nn.Module, mode: str):
-    """Run with the model in `train()` (dropout on) or `eval()` mode, restoring its mode afterwards."""
-    was_training = target.training
-    target.train(mode == "train")
-    try:
-        yield
-    finally:
-        target.train(was_training)
-
-
-class ClientProtocol(CLIENT_PROTOCOLS.base(), ABC, SingleStep):
-    """How a client computes what it sends (FedSGD gradient, FedAvg weight delta, LoRA adapters ...).
-
-    The pipeline calls `prepare(target)` once (LoRA injects its adapters there), resolves the observed
-    parameters with `observed_names`, and per batch calls `observe`, which returns the *defended*
-    updates: the protocol decides where the defense acts (FedSGD: on the per-sequence gradients;
-    FedAvg: DP-SGD on every local step, the other defenses on the delta it sends). Step counts for
-    the accountant and the exact attacks: `SingleStep` (FedSGD) unless the protocol overrides them.
-    """
-
-    name: ClassVar[str]
-    mode: str
-    sequences_per_update: int
-
-    @classmethod
-    def create(cls, name: str, **kwargs) -> "ClientProtocol":
-        return CLIENT_PROTOCOLS.create(name, **kwargs)
-
-    def prepare(self, target: TargetLM) -> TargetLM:
-        """The global model as the clients train it (default: unchanged)."""
-        return target
-
-    def observed_names(self, target: nn.Module, selection: ParameterSelection) -> list[str]:
-        """Names of the parameters whose update the server observes."""
-        return selection.resolve(target)
-
-    @abstractmethod
-    def observe(
-        self,
-        target: TargetLM,
-        names: Sequence[str],
-        input_ids: Tensor,
-        attention_mask: Tensor | None = None,
-        defense: Defense | None = None,
-        generator: torch.Generator | None = None,
-        check: FiniteCheck | None = None,
-        trainable: Sequence[str] | None = None,
-    ) -> Tensor:
-        """(U, m, L) token ids of U clients -> (U, D) defended updates of the observed parameters.
-
-        `trainable`: parameters the client trains locally (default: the protocol's own choice);
-        only protocols with several local steps care.
-        """
-
-    def describe(self) -> dict:
-        """JSON-safe summary (saved with checkpoints and results)."""
-        out = {"name": self.name}
-        for key, value in vars(self).items():
-            if not key.startswith("_"):
-                out[key] = value.describe() if isinstance(value, ClientProtocol) else (list(value) if isinstance(value, tuple) else value)
-        return out
-
-    def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
-        return f"{type(self).__name__}({args})"
-
-
-def _check_mode(mode: str) -> None:
-    if mode not in ("train", "eval"):
-        raise ValueError(f"client mode {mode!r} is not allowed; use 'train' or 'eval'")
-
-
-class FedSGDClient(ClientProtocol):
-    """A FedSGD client: one gradient step's gradient per update, computed the way a real client does.
-
-    The model runs in `train()` mode (its dropout active) unless `mode="eval"` is chosen explicitly;
-    most published numbers used eval mode by accident (Wang & Li). The update is the mean over the
-    client's m sequences of each sequence's mean next-token-loss gradient; the defense sees the m
-    per-sequence gradients (DP-SGD clips each).
-    """
-
-    name = "fedsgd"
-
-    def __init__(
-        self,
-        mode: Literal["train", "eval"] = "train",
-        sequences_per_update: int = 1,
-        implementation: Literal["vmap", "loop"] = "vmap",
-    ) -> None:
-        """
-        Args:
-            mode: `train` (dropout on, the realistic default) or `eval` (dropout off).
-            sequences_per_update: Sequences in one client's minibatch; the update is their mean gradient.
-            implementation: `vmap` (fast, batched head) or `loop` (reference, one sequence at a time).
-        """
-        _check_mode(mode)
-        if sequences_per_update < 1:
-            raise ValueError(f"sequences_per_update={sequences_per_update} must be >= 1")
-        if implementation not in ("vmap", "loop"):
-            raise ValueError(f"client implementation {implementation!r} is not allowed; use 'vmap' or 'loop'")
-        self.mode = mode
-        self.sequences_per_update = sequences_per_update
-        self.implementation = implementation
-
-    def per_example_gradients(
-        self, target: TargetLM, names: Sequence[str], input_ids: Tensor, attention_mask: Tensor | None = None
-    ) -> Tensor:
-        """(U, m, L) token ids -> (U, m, D) per-sequence gradients (m = sequences per update)."""
-        updates, per_update, length = input_ids.shape
-        if per_update != self.sequences_per_update:
-            raise ValueError(f"batch has {per_update} sequences per update, client expects {self.sequences_per_update}")
-        flat_ids = input_ids.reshape(-1, length)
-        flat_mask = None if attention_mask is None else attention_mask.reshape(-1, length)
-        with model_mode(target, self.mode), torch.enable_grad():
-            fn = per_example_gradients if self.implementation == "vmap" else per_example_gradients_loop
-            grads = fn(target, names, flat_ids, flat_mask)
-        return grads.view(updates, per_update, -1)
-
-    def observe(
-        self,
-        target: TargetLM,
-        names: Sequence[str],
-        input_ids: Tensor,
-        attention_mask: Tensor | None = None,
-        defense: Defense | None = None,
-        generator: torch.Generator | None = None,
-        check: FiniteCheck | None = None,
-        trainable: Sequence[str] | None = None,
-    ) -> Tensor:
-        per_example = self.per_example_gradients(target, names, input_ids, attention_mask)
-        (check or _default_check)(per_example)
-        with torch.no_grad():
-            return (defense or NoDefense())(per_example, generator)
-
-    def __repr__(self) -> str:
-        return f"FedSGDClient(mode={self.mode!r}, sequences_per_update={self.sequences_per_update})"

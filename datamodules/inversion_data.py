@@ -1,0 +1,131 @@
+"""What the text and the image/table inversion DataModules share: the server's observation pipeline,
+grouping samples into client updates, the loaders, and computing the observed updates per batch.
+
+A subclass supplies the client's loss (which batch fields a client holds), the data (`setup` fills
+`self._splits` with `ClientUpdates`) and what it adds to the threat-model summary. The observed
+updates are computed on the batch's device in `on_after_batch_transfer`: training batches carry the
+hashed features; evaluation batches also the defended update itself (`batch["update"]`) for the
+exact attacks. The client's own data travels in the batch only for the losses and the metrics.
+"""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch import LightningDataModule
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+
+from datamodules.client_updates import ClientUpdates
+from datamodules.federated import ClientProtocol, Defense, Hashing, ParameterSelection, UpdatePipeline
+from datamodules.federated.losses import ClientLoss
+
+
+def check_sizes(batch_size: int, train_samples: int | None, eval_samples: int | None) -> None:
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} must be >= 1")
+    for name, value in (("eval_samples", eval_samples), ("train_samples", train_samples)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name}={value} must be >= 1 or null")
+
+
+class InversionDataModule(LightningDataModule):
+    """Base of the inversion DataModules (not used on its own)."""
+
+    #: The split the attacks train on, and the split(s) they are evaluated on, per loader.
+    train_split = "auxiliary"
+    eval_splits = {"val": "evaluation", "test": "evaluation"}
+
+    def _build_pipeline(
+        self, target: nn.Module, loss: ClientLoss, client: ClientProtocol, defense: Defense, observed: ParameterSelection,
+        hashing: Hashing, batch_size: int, train_samples: int | None, eval_samples: int | None, keep_eval_updates: bool,
+        num_workers: int, seed: int,
+    ) -> None:
+        self.client = client
+        self.pipeline = UpdatePipeline(target, client, defense, observed, hashing, loss)
+        self.target = self.pipeline.target  # the protocol's view of the global model (LoRA: with adapters)
+        self.batch_size, self.train_samples, self.eval_samples = batch_size, train_samples, eval_samples
+        self.keep_eval_updates, self.num_workers, self.seed = keep_eval_updates, num_workers, seed
+        self._splits: dict[str, ClientUpdates] | None = None
+
+    @property
+    def samples_per_update(self) -> int:
+        return self.client.samples_per_update
+
+    def _as_updates(self, limit: int | None, shuffle: bool, **fields: Tensor) -> ClientUpdates:
+        """Samples (fields (N, ...)) -> client updates of m samples (fields (N // m, m, ...)); with
+        `shuffle` random samples are grouped, fixed once by the seed; at most `limit` samples."""
+        count = next(iter(fields.values())).shape[0]
+        if shuffle:
+            order = torch.randperm(count, generator=torch.Generator().manual_seed(self.seed))
+            fields = {k: v[order] for k, v in fields.items()}
+        if limit is not None:
+            fields = {k: v[:limit] for k, v in fields.items()}
+            count = min(count, limit)
+        m = self.samples_per_update
+        usable = count // m * m
+        if usable == 0:
+            raise ValueError(f"only {count} samples{self._sample_unit()}: too few for one update of {m}")
+        return ClientUpdates(**{k: v[:usable].view(-1, m, *v.shape[1:]) for k, v in fields.items()})
+
+    def _sample_unit(self) -> str:
+        return ""
+
+    def auxiliary_inputs(self, limit: int) -> Tensor:
+        """Up to `limit` of the server's auxiliary model inputs (N, ...): what an exact attack may use as
+        a prior (never evaluation data)."""
+        if self._splits is None:
+            raise RuntimeError("call setup() before asking for auxiliary inputs")
+        inputs = self._splits[self.train_split].fields[self.pipeline.loss.fields[0]]
+        return inputs.reshape(-1, *inputs.shape[2:])[:limit]
+
+    # ---------------------------------------------------------------- loaders
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self._splits[self.train_split], batch_size=self.batch_size, shuffle=True, drop_last=True,
+                          num_workers=self.num_workers)
+
+    def _eval_loader(self, stage: str) -> DataLoader:
+        return DataLoader(self._splits[self.eval_splits[stage]], batch_size=self.batch_size, shuffle=False,
+                          num_workers=self.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._eval_loader("val")
+
+    def test_dataloader(self) -> DataLoader:
+        return self._eval_loader("test")
+
+    predict_dataloader = test_dataloader
+
+    # ---------------------------------------------------------------- the server's observation
+    def client_batch(self, batch: dict) -> dict[str, Tensor]:
+        """The fields of a loader batch that the client's loss reads."""
+        return {name: batch[name] for name in self.pipeline.loss.fields if batch.get(name) is not None}
+
+    def on_after_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
+        client_batch = self.client_batch(batch)
+        self.pipeline.to(next(iter(client_batch.values())).device)
+        training = self.trainer is not None and self.trainer.training
+        observed = self.pipeline(client_batch, keep_update=self.keep_eval_updates and not training)
+        batch["features"] = observed.features
+        if observed.update is not None:
+            batch["update"] = observed.update
+        return batch
+
+    def describe(self) -> dict:
+        """JSON-safe summary of the threat model, saved with checkpoints and results."""
+        setting = {
+            "target": type(self.target).__name__,
+            "client": self.client.describe(),
+            "defense": self.pipeline.defense.describe(),
+            "observed_parameters": len(self.pipeline.names),
+            "observed_dim": self.pipeline.observed_dim,
+            "hash_bins": self.pipeline.spec.num_bins,
+            **self._describe_data(),
+        }
+        # DP-SGD reports its (epsilon, delta) for one client's local steps under this protocol.
+        privacy = self.pipeline.defense.privacy(*self.client.privacy_steps())
+        if privacy is not None:
+            setting["privacy"] = privacy
+        return setting
+
+    def _describe_data(self) -> dict:
+        return {}

@@ -1,0 +1,40 @@
+"""`lti matrix --grid configs/matrix/small.yaml`: attacks x defenses x client protocols in one table.
+
+A grid file names config overlays per axis; every cell of the grid is an ordinary `lti` run built by
+stacking them (base configs, protocol, defense, attack, then the grid's overrides):
+
+* a **learned** attack (LTI, LTI-P) is `lti fit` (adaptive: the inverter trains on updates made by the
+  same protocol and defense) followed by `lti test` on held-out clients;
+* an **exact** attack (DAGER, SPEAR) is `lti test` with its callback overlay and no checkpoint.
+
+Each finished cell writes `cells/<protocol>__<defense>__<attack>/cell.json`; a rerun skips cells whose
+file exists with the same arguments (so a partly finished grid resumes where it stopped) and redoes
+cells whose arguments changed or that failed. A cell that does not apply is written as "n/a" with the
+grid's reason, never run. `--resume_from matrix.json` seeds the cells from a table written earlier
+(e.g. the one committed under docs/): its records count as finished where their arguments match.
+`--jobs N` runs N cells at once as subprocesses (each with its share of the CPU cores), and two
+`lti matrix` runs on disjoint slices of one grid may share its folder (records are written whole).
+The table goes to `matrix.csv`, `matrix.json`, `matrix.md`, the plots to
+`*.png`, and all of them to one W&B run (offline unless the grid says otherwise).
+
+This package drives the CLI; it holds no model code. Its modules, each importing only those above it:
+
+* `grid`: the grid file (`Entry`, `Grid`, `load_grid`) and each cell's id, folder, commands, fingerprint;
+* `records`: the cells' `cell.json` records, and importing them from an earlier `matrix.json`;
+* `report`: the tables, plots and W&B run;
+* `runner`: running one cell, the grid (`--jobs`), the `--dry_run` plan and the time estimate;
+* `cli`: `main`, the `lti matrix` command line (also `python -m lti.matrix`).
+"""
+
+from lti.matrix.grid import (KINDS, METRICS, Entry, Grid, cell_commands, cell_fingerprint, cell_folder, cell_id,
+                             load_grid, select_cells)
+from lti.matrix.records import FINISHED_STATUSES, import_records, importable_records
+from lti.matrix.report import headline_table, log_to_wandb, markdown_table, write_outputs, write_plots
+from lti.matrix.runner import estimate_remaining, plan_grid, run_cell, run_grid
+from lti.matrix.cli import main  # last: the command line sits on top of the rest
+
+__all__ = [
+    "KINDS", "METRICS", "Entry", "Grid", "cell_commands", "cell_fingerprint", "cell_folder", "cell_id", "load_grid",
+    "select_cells", "FINISHED_STATUSES", "import_records", "importable_records", "headline_table", "log_to_wandb",
+    "markdown_table", "write_outputs", "write_plots", "estimate_remaining", "plan_grid", "run_cell", "run_grid", "main",
+]
