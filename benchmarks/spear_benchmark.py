@@ -13,7 +13,7 @@ absolute error of continuous columns in original units for Adult, and seconds pe
 A row is `name` or `name:B` (B = samples per client update; for transformer3, B = 16-token sequences,
 default 1). `--prior` guides SPEAR with the server's auxiliary data (see `exact.spear.prior.guided`).
 
-`--fedavg E:b:lr` makes the image/table clients FedAvg clients (`VisionFedAvgClient`: E local epochs
+`--fedavg E:b:lr` makes the image/table clients FedAvg clients (`FedAvgClient` with the classification loss: E local epochs
 over their B samples in minibatches of b, SGD with lr, the whole model trained, eval mode); SPEAR
 attacks the pseudo-gradient delta / (steps x lr). `--client-dtype float32|float64` sets the
 arithmetic of the local training (float32: what clients run; float64: exact deltas).
