@@ -1,4 +1,3 @@
-from datamodules.federated.hashing import Hashing
 """Benchmarks that quote numbers in the docs: they run, and their derived columns follow from the measured ones."""
 
 import importlib.util
@@ -6,6 +5,7 @@ import importlib.util
 import pytest
 
 from conftest import REPO
+from datamodules.federated.hashing import Hashing
 
 
 def load_benchmark(name: str):

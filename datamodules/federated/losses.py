@@ -77,10 +77,20 @@ class ClientLoss(CLIENT_LOSSES.base(), ABC):
                         implementation: str) -> Tensor:
         """(G, D): group i's mean-loss gradient at its own flat weights `weights[i]` (None: global)."""
 
-    @abstractmethod
     def grouped_per_example_gradients(self, target: nn.Module, names, batch: ClientBatch, weights: Tensor | None,
                                       implementation: str) -> Tensor:
         """(G, g, D): every sample's own gradient at its group's weights (None: global)."""
+        if implementation == "vmap":
+            return self._grouped_per_example(target, names, batch, weights)
+        # Reference: groups of one sample, each with its client's weights.
+        groups, size = self.shape(batch)
+        rows = None if weights is None else weights.repeat_interleave(size, dim=0)
+        singles = {k: v.reshape(groups * size, 1, *v.shape[2:]) for k, v in batch.items()}
+        return self.group_gradients(target, names, singles, rows, "loop").view(groups, size, -1)
+
+    @abstractmethod
+    def _grouped_per_example(self, target: nn.Module, names, batch: ClientBatch, weights: Tensor | None) -> Tensor:
+        """The fast path of `grouped_per_example_gradients`."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -109,15 +119,8 @@ class NextTokenLoss(ClientLoss):
         fn = next_token.group_gradients if implementation == "vmap" else next_token.group_gradients_loop
         return fn(target, names, *self._ids(batch), weights)
 
-    def grouped_per_example_gradients(self, target, names, batch, weights, implementation):
-        ids, mask = self._ids(batch)
-        if implementation == "vmap":
-            return next_token.grouped_per_example_gradients(target, names, ids, mask, weights)
-        # Reference: groups of one sequence, each with its client's weights.
-        groups, size, length = ids.shape
-        rows = None if weights is None else weights.repeat_interleave(size, dim=0)
-        flat_mask = None if mask is None else mask.reshape(-1, 1, length)
-        return next_token.group_gradients_loop(target, names, ids.reshape(-1, 1, length), flat_mask, rows).view(groups, size, -1)
+    def _grouped_per_example(self, target, names, batch, weights):
+        return next_token.grouped_per_example_gradients(target, names, *self._ids(batch), weights)
 
 
 class ClassificationLoss(ClientLoss):
@@ -150,11 +153,5 @@ class ClassificationLoss(ClientLoss):
         fn = classification.group_gradients if implementation == "vmap" else classification.group_gradients_loop
         return fn(target, names, batch["inputs"], batch["labels"], weights)
 
-    def grouped_per_example_gradients(self, target, names, batch, weights, implementation):
-        if implementation == "vmap":
-            return classification.grouped_per_example_gradients(target, names, batch["inputs"], batch["labels"], weights)
-        inputs, labels = batch["inputs"], batch["labels"]
-        groups, size = labels.shape
-        rows = None if weights is None else weights.repeat_interleave(size, dim=0)
-        flat_inputs = inputs.reshape(groups * size, 1, *inputs.shape[2:])
-        return classification.group_gradients_loop(target, names, flat_inputs, labels.reshape(-1, 1), rows).view(groups, size, -1)
+    def _grouped_per_example(self, target, names, batch, weights):
+        return classification.grouped_per_example_gradients(target, names, batch["inputs"], batch["labels"], weights)

@@ -18,8 +18,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from exact.dager.encoder import EncoderSearch
-from exact.dager.probe import _SecondLayer
 from exact.dager.result import DagerResult, degenerate
 from exact.dager.run import _DagerRun
 from exact.layers import DagerLayers, find_layers
@@ -187,10 +185,6 @@ class Dager:
         return result
 
     __call__ = attack
-
-    def _prefix_beam(self, probe: _SecondLayer, cands: list[Tensor], want: int, limit: int, width: int | None = None):
-        """One bidirectional prefix beam search (`EncoderSearch.prefix_beam`) with a budget of its own."""
-        return EncoderSearch(self).prefix_beam(probe, cands, want, limit, width)
 
 
 def dager_attack(

@@ -7,8 +7,6 @@ per-sequence clipping loop.
 
 from __future__ import annotations
 
-from datamodules.federated.hashing import Hashing
-
 import copy
 import math
 
@@ -35,6 +33,7 @@ from datamodules.federated.engines.next_token import group_gradients, group_grad
 from datamodules.federated.defenses import Compose
 from datamodules.targets import HFCausalLM, Transformer3
 from datamodules.targets.base import next_token_loss
+from datamodules.federated.hashing import Hashing
 
 from conftest import observe_text, per_example_text, relative_error
 

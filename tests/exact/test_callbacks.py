@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from datamodules.federated.hashing import Hashing
-
 import json
 
 import pytest
@@ -11,6 +9,7 @@ import pytest
 pytest.importorskip("lightning")
 
 from lti.cli import main  # noqa: E402
+from datamodules.federated.hashing import Hashing
 
 
 def test_lti_test_with_dager_callback_writes_metrics_and_samples(make_config, tmp_path):

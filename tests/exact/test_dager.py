@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from datamodules.federated.hashing import Hashing
-
 import math
 
 import pytest
@@ -15,6 +13,7 @@ from exact import Dager, find_layers, span_basis, token_distances
 from exact.layers import capture_input
 from datamodules.metrics import score_batch
 from datamodules.targets import HFCausalLM, Transformer3
+from datamodules.federated.hashing import Hashing
 
 VOCAB = 500
 

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from datamodules.federated.hashing import Hashing
-
 import pytest
 import torch
 
 from datamodules.federated import FedSGDClient, NoDefense, ParameterSelection, UpdatePipeline
 from exact import Dager, find_layers, span_basis
+from exact.dager.encoder import EncoderSearch
 from exact.dager.probe import _SecondLayer
 from datamodules.targets import HFEncoderLM
+from datamodules.federated.hashing import Hashing
 
 VOCAB, EOS, CLS = 300, 2, 1
 
@@ -82,7 +82,7 @@ def test_prefix_beam_scores_match_per_sequence_reference():
     cands[3] = torch.cat([cands[3], ids[0, 3:4]])
     attack = Dager(eos_token_id=EOS, encoder_beam=5)
     with torch.no_grad():
-        seqs, scores = attack._prefix_beam(probe, cands, want=1, limit=10**9)
+        seqs, scores = EncoderSearch(attack).prefix_beam(probe, cands, want=1, limit=10**9)
         assert 1 <= len(seqs) <= 5 and scores == sorted(scores)
         for seq, score in zip(seqs, scores):
             assert all(int(t) in c.tolist() for t, c in zip(seq, cands))

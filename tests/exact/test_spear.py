@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from datamodules.federated.hashing import Hashing
-
 import math
 
 import pytest
@@ -11,6 +9,7 @@ import torch
 from torch import nn
 
 from exact.spear import Spear, SpearResult, relu_linear_layer, sparsity_agreement
+from datamodules.federated.hashing import Hashing
 
 
 def planted(b=8, n=50, m=100, dtype=torch.float64, seed=0, dead=0, positive=False):

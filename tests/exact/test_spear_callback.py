@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from datamodules.federated.hashing import Hashing
-
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +10,7 @@ import torch
 pytest.importorskip("lightning")
 
 from exact.callbacks import SpearCallback  # noqa: E402
+from datamodules.federated.hashing import Hashing
 
 
 class RecordingModule:

@@ -67,14 +67,16 @@ class _FlatModel:
         self.shapes = [(name, params[name].shape) for name in names]
         self.frozen = {name: p for name, p in params.items() if name not in set(names)}
         self.frozen.update(dict(target.named_buffers()))
-        self.start = torch.cat([params[name].reshape(-1) for name in names])
+        self.params = params
+        self.dim = sum(shape.numel() for _, shape in self.shapes)
 
     def weights(self, weights: Tensor | None, groups: int) -> Tensor:
-        """(G, D) weights: the given rows, or the global weights (a stride-0 expansion)."""
+        """(G, D) weights: the given rows, or the global weights (a stride-0 expansion; flattened
+        only when asked for: FedAvg passes its own weights at every step but the first)."""
         if weights is None:
-            return self.start.expand(groups, -1)
-        if weights.shape[1] != self.start.numel():
-            raise ValueError(f"weights have {weights.shape[1]} columns, the parameters need {self.start.numel()}")
+            return torch.cat([self.params[name].reshape(-1) for name, _ in self.shapes]).expand(groups, -1)
+        if weights.shape[1] != self.dim:
+            raise ValueError(f"weights have {weights.shape[1]} columns, the parameters need {self.dim}")
         return weights
 
     def unflatten(self, flat: Tensor) -> dict[str, Tensor]:
