@@ -72,3 +72,17 @@ def test_fedavg_dager_diagnostics_measure_zero_distances_for_the_truth_of_a_feds
     wrong[0, 3] = (wrong[0, 3] + 1) % 300
     assert module.true_token_distances(Dager(), target, one, wrong)[0] > 1e-2
     assert float(module.true_sequence_distances(Dager(), target, one, wrong).max()) > 1e-2
+
+
+def test_behaviour_equivalence_compares_metrics_and_every_weight(tmp_path):
+    import json
+
+    import torch
+
+    compare = load_benchmark("behaviour_equivalence").compare
+    for name, shift in (("a", 0.0), ("b", 0.0), ("c", 0.25)):
+        (tmp_path / name / "ckpt").mkdir(parents=True)
+        (tmp_path / name / "val_metrics.json").write_text(json.dumps({"metrics": {"val/lti/token_acc": 0.5 + shift}}))
+        torch.save({"state_dict": {"w": torch.ones(3) + shift}}, tmp_path / name / "ckpt" / "last.ckpt")
+    assert compare(tmp_path / "a", tmp_path / "b") == (0.0, 0.0)
+    assert compare(tmp_path / "a", tmp_path / "c") == (0.25, 0.25)
