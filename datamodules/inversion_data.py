@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 from datamodules.client_updates import ClientUpdates
 from datamodules.federated import ClientProtocol, Defense, Hashing, ParameterSelection, UpdatePipeline
 from datamodules.federated.losses import ClientLoss
+from datamodules.training_stream import AuxiliaryStream, TrainingStream, step_seed
 
 
 def check_sizes(batch_size: int, train_samples: int | None, eval_samples: int | None) -> None:
@@ -38,7 +39,7 @@ class InversionDataModule(LightningDataModule):
     def _build_pipeline(
         self, target: nn.Module, loss: ClientLoss, client: ClientProtocol, defense: Defense, observed: ParameterSelection,
         hashing: Hashing, batch_size: int, train_samples: int | None, eval_samples: int | None, keep_eval_updates: bool,
-        num_workers: int, seed: int,
+        num_workers: int, seed: int, observation_cache: str | None = None, rebuild_observation_cache: bool = False,
     ) -> None:
         self.client = client
         self.pipeline = UpdatePipeline(target, client, defense, observed, hashing, loss)
@@ -46,6 +47,8 @@ class InversionDataModule(LightningDataModule):
         self.batch_size, self.train_samples, self.eval_samples = batch_size, train_samples, eval_samples
         self.keep_eval_updates, self.num_workers, self.seed = keep_eval_updates, num_workers, seed
         self._splits: dict[str, ClientUpdates] | None = None
+        self.observation_cache, self.rebuild_observation_cache = observation_cache, rebuild_observation_cache
+        self._cache = None
 
     @property
     def samples_per_update(self) -> int:
@@ -79,9 +82,42 @@ class InversionDataModule(LightningDataModule):
         return inputs.reshape(-1, *inputs.shape[2:])[:limit]
 
     # ---------------------------------------------------------------- loaders
+    def _rank(self) -> int:
+        return self.trainer.global_rank if self.trainer is not None else 0
+
+    def _world_size(self) -> int:
+        return self.trainer.world_size if self.trainer is not None else 1
+
+    def training_position(self) -> int:
+        """Training batches consumed so far (0 without a trainer; a resumed run's restored step)."""
+        if self.trainer is None:
+            return 0
+        return self.trainer.global_step * self.trainer.accumulate_grad_batches
+
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self._splits[self.train_split], batch_size=self.batch_size, shuffle=True, drop_last=True,
-                          num_workers=self.num_workers)
+        cache = self._open_cache() if self.observation_cache else None
+        return self._stream_loader(AuxiliaryStream(
+            self._splits[self.train_split], self.batch_size, self.seed, self._rank(), self._world_size(),
+            self.training_position, features=cache.features if cache is not None else None,
+        ))
+
+    def _open_cache(self):
+        """The observation cache of the auxiliary updates (built on rank 0 first; the others wait)."""
+        from datamodules.observation_cache import ObservationCache
+
+        if self._cache is None:
+            distributed = self.trainer is not None and self.trainer.world_size > 1
+            if distributed and self._rank() != 0:
+                self.trainer.strategy.barrier("observation cache")
+            self._cache = ObservationCache(self.observation_cache, self.pipeline, self._splits[self.train_split],
+                                           self.batch_size, rebuild=self.rebuild_observation_cache and self._rank() == 0)
+            if distributed and self._rank() == 0:
+                self.trainer.strategy.barrier("observation cache")
+        return self._cache
+
+    def _stream_loader(self, stream: TrainingStream) -> DataLoader:
+        # Training batches are a function of the step (datamodules.training_stream): resuming is exact.
+        return DataLoader(stream, batch_size=None, num_workers=self.num_workers)
 
     def _eval_loader(self, stage: str) -> DataLoader:
         return DataLoader(self._splits[self.eval_splits[stage]], batch_size=self.batch_size, shuffle=False,
@@ -100,11 +136,26 @@ class InversionDataModule(LightningDataModule):
         """The fields of a loader batch that the client's loss reads."""
         return {name: batch[name] for name in self.pipeline.loss.fields if batch.get(name) is not None}
 
+    def observation_seed(self, batch: dict, training: bool) -> int:
+        """The seed of every random draw in computing this batch's updates (dropout, defense noise):
+        a training batch's comes from its step (so a resumed run draws the same noise), an evaluation
+        batch's from its first update's index (every validation sees the same noisy updates)."""
+        if training:
+            return step_seed(self.seed, 3, self._rank(), self.training_position())
+        first = int(batch["index"].reshape(-1)[0]) if "index" in batch else 0
+        return step_seed(self.seed, 4, first)
+
     def on_after_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
+        if "features" in batch:  # read from the observation cache: nothing to compute
+            return batch
         client_batch = self.client_batch(batch)
-        self.pipeline.to(next(iter(client_batch.values())).device)
+        device = next(iter(client_batch.values())).device
+        self.pipeline.to(device)
         training = self.trainer is not None and self.trainer.training
-        observed = self.pipeline(client_batch, keep_update=self.keep_eval_updates and not training)
+        devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):  # the caller's random state is left as it was
+            torch.manual_seed(self.observation_seed(batch, training))
+            observed = self.pipeline(client_batch, keep_update=self.keep_eval_updates and not training)
         batch["features"] = observed.features
         if observed.update is not None:
             batch["update"] = observed.update

@@ -14,40 +14,16 @@ from typing import Literal
 import torch
 from jsonargparse import lazy_instance
 from torch import Tensor
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 
 from datamodules.federated import ClientProtocol, Defense, FedSGDClient, Hashing, NextTokenLoss, NoDefense, ParameterSelection
 from datamodules.inversion_data import InversionDataModule, check_sizes
+from datamodules.training_stream import SampledStream
 from datamodules.text import EmbeddedCorpus, MarginalSampler, TextCorpus, load_tokenizer, pack_blocks, pack_lines, tokenize_splits
 from datamodules.text.pseudo import load_counts, token_counts
 from datamodules.inversion_spec import InversionSpec
 from datamodules.registry import materialize
 from datamodules.targets import TargetLM, Transformer3
-
-
-class PseudoUpdates(IterableDataset):
-    """LTI-P: every batch is a fresh i.i.d. draw from the marginal token distribution.
-
-    Each DDP rank (and loader worker) gets its own generator, so ranks never draw the same samples.
-    """
-
-    def __init__(self, sampler: MarginalSampler, batches: int, updates: int, per_update: int, length: int, seed: int, rank: int) -> None:
-        self.sampler, self.batches = sampler, batches
-        self.updates, self.per_update, self.length = updates, per_update, length
-        self.generator = torch.Generator().manual_seed(seed * 1_000_003 + rank)
-
-    def __len__(self) -> int:
-        return self.batches
-
-    def __iter__(self):
-        worker = torch.utils.data.get_worker_info()
-        if worker is not None and worker.id > 0:
-            self.generator.manual_seed(self.generator.initial_seed() + 7919 * worker.id)
-        per_worker = self.batches if worker is None else -(-self.batches // worker.num_workers)
-        for _ in range(per_worker):
-            ids = self.sampler.sample(self.updates * self.per_update, self.length, self.generator)
-            ids = ids.view(self.updates, self.per_update, self.length)
-            yield {"input_ids": ids, "attention_mask": torch.ones_like(ids), "index": torch.full((self.updates,), -1)}
 
 
 class TextInversionDataModule(InversionDataModule):
@@ -74,6 +50,8 @@ class TextInversionDataModule(InversionDataModule):
         keep_eval_updates: bool = True,
         num_workers: int = 0,
         seed: int = 0,
+        observation_cache: str | None = None,
+        rebuild_observation_cache: bool = False,
     ) -> None:
         """
         Args:
@@ -105,6 +83,12 @@ class TextInversionDataModule(InversionDataModule):
             keep_eval_updates: Put the defended update into evaluation batches (needed by exact attacks).
             num_workers: DataLoader workers (the update computation itself runs in the main process).
             seed: Seed of the sample grouping and of the pseudo-data draws.
+            observation_cache: Folder of cached training observations (LTI on auxiliary data with a
+                deterministic client; no defense, sign, pruning or Gaussian noise): the hashed
+                updates are computed once, stored as float16 and read from disk every epoch
+                (datamodules/observation_cache.py). None: computed on the fly.
+            rebuild_observation_cache: Rebuild a cache that was built for other observations
+                (otherwise it is refused, naming the difference).
         """
         super().__init__()
         if training_data not in ("auxiliary", "pseudo"):
@@ -112,6 +96,8 @@ class TextInversionDataModule(InversionDataModule):
         if packing not in ("blocks", "lines"):
             raise ValueError(f"packing {packing!r} is not allowed; use 'blocks' or 'lines'")
         check_sizes(batch_size, train_samples, eval_samples)
+        if training_data == "pseudo" and observation_cache:
+            raise ValueError("LTI-P draws fresh pseudo-data every batch, so there is nothing to cache; drop data.observation_cache")
         target, corpus, client, defense, observed = map(materialize, (target, corpus, client, defense, observed))
         target.check_sequence_length(seq_len)
         self.tokenizer = load_tokenizer(tokenizer)
@@ -126,6 +112,7 @@ class TextInversionDataModule(InversionDataModule):
         self._build_pipeline(
             target, NextTokenLoss(), client, defense, observed, Hashing(hash_fraction, hash_bins, hash_seed, hash_signed),
             batch_size, train_samples, eval_samples, keep_eval_updates, num_workers, seed,
+            observation_cache, rebuild_observation_cache,
         )
         self.pseudo_batches_per_epoch = pseudo_batches_per_epoch
         self._counts: Tensor | None = None
@@ -184,20 +171,23 @@ class TextInversionDataModule(InversionDataModule):
         )
 
     # ---------------------------------------------------------------- loaders
-    def _rank(self) -> int:
-        return self.trainer.global_rank if self.trainer is not None else 0
-
     def train_dataloader(self) -> DataLoader:
         if self.training_data != "pseudo":
             return super().train_dataloader()
+
         aux = self._splits["auxiliary"]
         batches = self.pseudo_batches_per_epoch or max(1, len(aux) // self.batch_size)
-        world = self.trainer.world_size if self.trainer is not None else 1
-        pseudo = PseudoUpdates(
-            MarginalSampler(self._counts), max(1, batches // world), self.batch_size,
-            self.sequences_per_update, self.seq_len, self.seed, self._rank(),
-        )
-        return DataLoader(pseudo, batch_size=None, num_workers=self.num_workers)
+        sampler = MarginalSampler(self._counts)
+        updates, per_update, length = self.batch_size, self.sequences_per_update, self.seq_len
+
+        def draw(generator: torch.Generator) -> dict[str, Tensor]:
+            # LTI-P: a fresh i.i.d. draw from the marginal token distribution for every batch.
+            ids = sampler.sample(updates * per_update, length, generator).view(updates, per_update, length)
+            return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "index": torch.full((updates,), -1)}
+
+        return self._stream_loader(SampledStream(
+            draw, max(1, batches // self._world_size()), self.seed, self._rank(), self._world_size(), self.training_position,
+        ))
 
     # ---------------------------------------------------------------- the server's observation
     def client_batch(self, batch: dict) -> dict[str, Tensor]:

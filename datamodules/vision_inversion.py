@@ -50,6 +50,8 @@ class ImageInversionDataModule(InversionDataModule):
         keep_eval_updates: bool = True,
         num_workers: int = 0,
         seed: int = 0,
+        observation_cache: str | None = None,
+        rebuild_observation_cache: bool = False,
     ) -> None:
         """
         Args:
@@ -74,6 +76,10 @@ class ImageInversionDataModule(InversionDataModule):
             keep_eval_updates: Put the defended update into evaluation batches (needed by exact attacks).
             num_workers: DataLoader workers (the update computation itself runs in the main process).
             seed: Seed of the grouping of auxiliary samples into updates.
+            observation_cache: Folder of cached training observations (deterministic client; no
+                defense, sign, pruning or Gaussian noise), computed once and read from disk every
+                epoch (datamodules/observation_cache.py). None: computed on the fly.
+            rebuild_observation_cache: Rebuild a cache built for other observations (else refused).
         """
         super().__init__()
         check_sizes(batch_size, train_samples, eval_samples)
@@ -93,6 +99,7 @@ class ImageInversionDataModule(InversionDataModule):
         self._build_pipeline(
             target, ClassificationLoss(), client, defense, observed, Hashing(hash_fraction, hash_bins, hash_seed, hash_signed),
             batch_size, train_samples, eval_samples, keep_eval_updates, num_workers, seed,
+            observation_cache, rebuild_observation_cache,
         )
         self.data: VisionData | None = None
 

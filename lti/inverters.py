@@ -42,8 +42,9 @@ class Inverter(nn.Module, ABC):
     def build(self, spec: InversionSpec) -> None: ...
 
     @abstractmethod
-    def decode(self, hidden: Tensor) -> Tensor:
-        """Trunk output (U, P, w) -> logits (U, P, V)."""
+    def decode(self, hidden: Tensor, tokens: Tensor | None = None) -> Tensor:
+        """Trunk output (U, P, w) -> logits (U, P, V), or (U, P, len(tokens)) for the given token ids
+        only (sampled softmax in training scores a few thousand tokens instead of all V)."""
 
     def normalize(self, features: Tensor) -> Tensor:
         # Updates differ in scale by orders of magnitude across defenses (raw gradients vs sign sums);
@@ -52,11 +53,15 @@ class Inverter(nn.Module, ABC):
             return features * torch.rsqrt(features.pow(2).mean(dim=1, keepdim=True) + 1e-20)
         return features
 
-    def forward(self, features: Tensor) -> Tensor:
+    def represent(self, features: Tensor) -> Tensor:
+        """(U, k) hashed features -> (U, P, w) per-position representations."""
         if self.spec is None:
             raise RuntimeError("inverter is not built yet: call bind(spec) first")
         hidden = self.trunk(self.normalize(features))
-        return self.decode(hidden.view(features.shape[0], self.spec.num_positions, -1))
+        return hidden.view(features.shape[0], self.spec.num_positions, -1)
+
+    def forward(self, features: Tensor) -> Tensor:
+        return self.decode(self.represent(features))
 
 
 class MLPInverter(Inverter):
@@ -79,8 +84,10 @@ class MLPInverter(Inverter):
         )
         self.output = nn.Linear(self.position_width, spec.vocab_size)
 
-    def decode(self, hidden: Tensor) -> Tensor:
-        return self.output(hidden)
+    def decode(self, hidden: Tensor, tokens: Tensor | None = None) -> Tensor:
+        if tokens is None:
+            return self.output(hidden)
+        return nn.functional.linear(hidden, self.output.weight[tokens], self.output.bias[tokens])
 
 
 class EmbeddingInverter(Inverter):
@@ -109,8 +116,17 @@ class EmbeddingInverter(Inverter):
         log_prior = torch.log((counts + 0.01) / (counts.sum() + 0.01 * counts.numel()))
         self.bias = nn.Parameter(log_prior.float())
 
-    def decode(self, hidden: Tensor) -> Tensor:
-        return self.scale * hidden @ self.embedding.T + self.bias
+    def decode(self, hidden: Tensor, tokens: Tensor | None = None) -> Tensor:
+        if tokens is None:
+            return self.scale * hidden @ self.embedding.T + self.bias
+        return self.scale * hidden @ self.embedding[tokens].T + self.bias[tokens]
 
 
 INVERTERS = {"mlp": MLPInverter, "embedding": EmbeddingInverter}
+
+
+def build_inverter(name: str, **kwargs) -> Inverter:
+    """An inverter by its short name (`mlp`, `embedding`), for scripts and benchmarks."""
+    if name not in INVERTERS:
+        raise ValueError(f"inverter {name!r} is not known; choose one of {', '.join(INVERTERS)}")
+    return INVERTERS[name](**kwargs)

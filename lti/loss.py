@@ -19,3 +19,33 @@ def position_loss(logits: Tensor, target: Tensor, mask: Tensor) -> Tensor:
         logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none"
     ).view(target.shape)
     return (per_position * mask).sum() / mask.sum().clamp_min(1)
+
+
+class InverterLoss:
+    """The inverter's training loss: full softmax over the vocabulary, or sampled softmax in training.
+
+    With `negatives = n` a training step scores only a candidate set: the tokens of the batch's
+    targets plus `n` token ids drawn uniformly from the vocabulary (the same set for every
+    position, so the head is one (U*P, w) x (w, |C|) product instead of x (w, V)). Targets are
+    always candidates. Uniform draws give every non-target token the same chance to be pushed
+    down, so no log-probability correction is applied; evaluation always uses the full softmax.
+    `negatives = None` (default) is the full softmax.
+    """
+
+    def __init__(self, negatives: int | None = None) -> None:
+        if negatives is not None and negatives < 1:
+            raise ValueError(f"negatives={negatives} must be >= 1 or null (full softmax)")
+        self.negatives = negatives
+
+    def __call__(self, inverter, features: Tensor, targets: Tensor, mask: Tensor, training: bool,
+                 generator: torch.Generator | None = None) -> tuple[Tensor, Tensor | None]:
+        """Returns (loss, full logits (U, P, V) or None when the loss was sampled)."""
+        if not training or self.negatives is None:
+            logits = inverter(features)
+            return position_loss(logits, targets, mask), logits
+        hidden = inverter.represent(features)
+        vocab = inverter.spec.vocab_size
+        drawn = torch.randint(vocab, (self.negatives,), generator=generator).to(targets.device)
+        candidates = torch.unique(torch.cat([targets.reshape(-1), drawn]))  # sorted
+        local = torch.searchsorted(candidates, targets)
+        return position_loss(inverter.decode(hidden, candidates), local, mask), None

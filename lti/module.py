@@ -19,9 +19,18 @@ from torch import Tensor
 from lti.inverters import EmbeddingInverter, Inverter
 from datamodules.registry import materialize
 from datamodules.metrics import RougeScores, TokenAccuracy, rouge_f, token_accuracy
-from lti.loss import position_loss
+from lti.loss import InverterLoss
+from datamodules.training_stream import step_generator
 
 STAGES = ("train", "val", "test")
+
+#: Learning-rate factor as a function of training progress in [0, 1] (after warm-up).
+SCHEDULES = {
+    "constant": lambda progress: 1.0,
+    "cosine": lambda progress: 0.5 * (1.0 + math.cos(math.pi * progress)),
+    # The LTI paper's: the learning rate divided by 10 once, at the halfway epoch.
+    "halfway_drop": lambda progress: 1.0 if progress < 0.5 else 0.1,
+}
 
 
 class LearnedInversionModule(LightningModule):
@@ -33,8 +42,8 @@ class LearnedInversionModule(LightningModule):
         """Checks the optimiser arguments, records the hyperparameters, returns a fresh inverter."""
         if lr <= 0:
             raise ValueError(f"lr={lr} must be > 0")
-        if scheduler not in ("constant", "cosine"):
-            raise ValueError(f"scheduler {scheduler!r} is not allowed; use 'constant' or 'cosine'")
+        if scheduler not in SCHEDULES:
+            raise ValueError(f"scheduler {scheduler!r} is not allowed; use one of {', '.join(map(repr, SCHEDULES))}")
         # The subclass's __init__ frame holds every init argument (not just the three checked here).
         self.save_hyperparameters(ignore=["inverter"], frame=inspect.currentframe().f_back)
         return materialize(inverter)
@@ -51,10 +60,7 @@ class LearnedInversionModule(LightningModule):
         def factor(step: int) -> float:
             if step < warmup:
                 return (step + 1) / warmup
-            if self.hparams.scheduler == "cosine":
-                progress = min(1.0, (step - warmup) / max(1, total - warmup))
-                return 0.5 * (1.0 + math.cos(math.pi * progress))
-            return 1.0
+            return SCHEDULES[self.hparams.scheduler](min(1.0, (step - warmup) / max(1, total - warmup)))
 
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
@@ -99,19 +105,25 @@ class InversionModule(LearnedInversionModule):
         inverter: Inverter = lazy_instance(EmbeddingInverter),
         lr: float = 1e-3,
         weight_decay: float = 0.0,
-        scheduler: Literal["constant", "cosine"] = "constant",
+        scheduler: Literal["constant", "cosine", "halfway_drop"] = "constant",
         warmup_steps: int = 0,
+        negatives: int | None = None,
     ) -> None:
         """
         Args:
             inverter: The inversion network (default: `EmbeddingInverter`; the paper's is `MLPInverter`).
             lr: Adam learning rate (paper: per defense from {1e-3, 1e-4, 1e-5}).
             weight_decay: Adam weight decay.
-            scheduler: `constant` or `cosine` decay to 0 over `trainer.max_steps` (or the estimated steps).
+            scheduler: `constant`, `cosine` decay to 0, or `halfway_drop` (the LTI paper's: lr / 10 from
+                half of the training on), over `trainer.max_steps` (or the estimated steps).
             warmup_steps: Linear warm-up steps.
+            negatives: Sampled softmax in training: score the batch's target tokens plus this many
+                uniformly drawn token ids instead of the whole vocabulary (a few times cheaper per
+                step on a CPU; evaluation always scores every token). None: full softmax.
         """
         super().__init__()
         self.inverter = self._init_training(inverter, lr, scheduler)
+        self.loss = InverterLoss(negatives)
         # One metric object per stage (e.g. `val_token_acc`), so stages never share state.
         for stage in STAGES:
             setattr(self, f"{stage}_token_acc", TokenAccuracy())
@@ -131,14 +143,19 @@ class InversionModule(LearnedInversionModule):
         return self.inverter(features)
 
     def _step(self, batch: dict, stage: str) -> Tensor:
-        logits = self(batch["features"])  # (U, P, V): the attack sees only the hashed update
-        updates = logits.shape[0]
+        features = batch["features"]  # (U, k): the attack sees only the hashed update
+        updates = features.shape[0]
         targets = batch["input_ids"].reshape(updates, -1)
         mask = batch["attention_mask"].reshape(updates, -1)
-        loss = position_loss(logits, targets, mask)
+        training = stage == "train"
+        # Negatives of the sampled softmax are drawn from the step, so a resumed run draws the same.
+        generator = step_generator(5, self.global_rank, self.global_step) if training and self.loss.negatives else None
+        loss, logits = self.loss(self.inverter, features, targets, mask, training=training, generator=generator)
+        self.log(f"{stage}/loss", loss, prog_bar=True, sync_dist=stage != "train", batch_size=updates)
+        if logits is None:  # sampled softmax: no full scores, so no training accuracy
+            return loss
         preds = logits.argmax(dim=-1)
         getattr(self, f"{stage}_token_acc").update(preds, targets, mask)
-        self.log(f"{stage}/loss", loss, prog_bar=True, sync_dist=stage != "train", batch_size=updates)
         self.log(f"{stage}/lti/token_acc", getattr(self, f"{stage}_token_acc"), prog_bar=True, batch_size=updates,
                  on_step=stage == "train", on_epoch=True)
         if stage != "train":

@@ -6,6 +6,7 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
+from lti.curves import LearningCurve
 from lti.results import ResultsWriter
 
 # Make the registered classes importable by short name in configs (`class_path: Sign`).
@@ -33,6 +34,7 @@ class LTICLI(LightningCLI):
         parser.set_defaults({"checkpoint.dirpath": "checkpoints", "checkpoint.save_last": True,
                              "checkpoint.filename": "step{step}", "checkpoint.auto_insert_metric_name": False})
         parser.add_lightning_class_args(ResultsWriter, "results")
+        parser.add_lightning_class_args(LearningCurve, "curve")
 
 
 def trainer_defaults() -> dict:

@@ -112,7 +112,7 @@ class ImageInversionModule(LearnedInversionModule):
         inverter: ImageMLPInverter = lazy_instance(ImageMLPInverter),
         lr: float = 1e-4,
         weight_decay: float = 0.0,
-        scheduler: Literal["constant", "cosine"] = "constant",
+        scheduler: Literal["constant", "cosine", "halfway_drop"] = "constant",
         warmup_steps: int = 0,
         match_order: bool = True,
         grid_samples: int = 16,
@@ -122,7 +122,8 @@ class ImageInversionModule(LearnedInversionModule):
             inverter: The inversion network (default: the paper's 3-layer MLP, hidden 3000).
             lr: Adam learning rate.
             weight_decay: Adam weight decay.
-            scheduler: `constant` or `cosine` decay to 0 over `trainer.max_steps` (or the estimated steps).
+            scheduler: `constant`, `cosine` decay to 0, or `halfway_drop` (lr / 10 from half of the
+                training on), over `trainer.max_steps` (or the estimated steps).
             warmup_steps: Linear warm-up steps.
             match_order: With m > 1 samples per update, match reconstructions to references per update
                 (Hungarian) before the loss and the metrics.

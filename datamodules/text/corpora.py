@@ -100,6 +100,7 @@ class LocalCorpus(TextCorpus):
         eval_fraction: float = 0.1,
         seed: int = 0,
         one_sample_per_line: bool = False,
+        auxiliary_corpora: Sequence[TextCorpus] = (),
     ) -> None:
         """
         Args:
@@ -111,6 +112,9 @@ class LocalCorpus(TextCorpus):
             eval_fraction: Held-out fraction when no evaluation files are given.
             seed: Seed of that split.
             one_sample_per_line: Rows are independent samples (sentences), not running text.
+            auxiliary_corpora: Further corpora whose auxiliary split is added to the server's data
+                (e.g. the embedded Wikipedia sample next to a WikiText file); their evaluation
+                splits are not used.
         """
         files = list(auxiliary_files) + list(evaluation_files)
         if not files:
@@ -126,6 +130,7 @@ class LocalCorpus(TextCorpus):
         self.format, self.text_column = format, text_column
         self.eval_fraction, self.seed = eval_fraction, seed
         self.one_sample_per_line = one_sample_per_line
+        self.auxiliary_corpora = list(auxiliary_corpora)
 
     @property
     def rows_are_documents(self) -> bool:
@@ -148,13 +153,18 @@ class LocalCorpus(TextCorpus):
         return ds
 
     def load(self):
-        from datasets import DatasetDict
+        from datasets import DatasetDict, concatenate_datasets
 
         if self.auxiliary_files and self.evaluation_files:
-            return DatasetDict(
+            splits = DatasetDict(
                 auxiliary=self._load_files(self.auxiliary_files), evaluation=self._load_files(self.evaluation_files)
             )
-        return _split_by_fraction(self._load_files(self.auxiliary_files or self.evaluation_files), self.eval_fraction, self.seed)
+        else:
+            splits = _split_by_fraction(self._load_files(self.auxiliary_files or self.evaluation_files), self.eval_fraction, self.seed)
+        if self.auxiliary_corpora:
+            extra = [corpus.load()["auxiliary"].select_columns(["text"]) for corpus in self.auxiliary_corpora]
+            splits["auxiliary"] = concatenate_datasets([splits["auxiliary"], *extra])
+        return splits
 
 
 def _gensim_test_data() -> Path:

@@ -5,7 +5,8 @@ import torch
 
 from datamodules.text import EmbeddedCorpus, LocalCorpus, MarginalSampler, load_tokenizer, pack_blocks, pack_lines, token_counts, tokenize_splits
 from datamodules.text.pseudo import load_counts, save_counts
-from datamodules.text_inversion import PseudoUpdates, TextInversionDataModule
+from datamodules.text_inversion import TextInversionDataModule
+from datamodules.training_stream import SampledStream
 
 
 def test_embedded_gpt2_tokenizer_is_gpt2():
@@ -78,12 +79,16 @@ def test_marginal_counts_files_and_sampler(tmp_path):
 
 def test_pseudo_batches_are_fresh_and_differ_between_ranks():
     sampler = MarginalSampler(torch.ones(50))
-    rank0 = list(PseudoUpdates(sampler, 3, 4, 1, 6, seed=0, rank=0))
-    rank1 = list(PseudoUpdates(sampler, 3, 4, 1, 6, seed=0, rank=1))
+
+    def draw(generator):
+        return {"input_ids": sampler.sample(4, 6, generator).view(4, 1, 6)}
+
+    rank0 = list(SampledStream(draw, 3, seed=0, rank=0, world_size=2))
+    rank1 = list(SampledStream(draw, 3, seed=0, rank=1, world_size=2))
     assert len(rank0) == 3 and rank0[0]["input_ids"].shape == (4, 1, 6)
     assert not torch.equal(rank0[0]["input_ids"], rank0[1]["input_ids"])  # a new draw every batch
     assert not torch.equal(rank0[0]["input_ids"], rank1[0]["input_ids"])
-    again = list(PseudoUpdates(sampler, 3, 4, 1, 6, seed=0, rank=0))
+    again = list(SampledStream(draw, 3, seed=0, rank=0, world_size=2))
     assert torch.equal(rank0[2]["input_ids"], again[2]["input_ids"])  # reproducible
 
 
@@ -146,3 +151,14 @@ def test_client_updates_serve_one_row_of_every_field_and_reject_mismatched_field
         ClientUpdates(inputs=torch.zeros(3, 2), labels=torch.zeros(4))
     with pytest.raises(ValueError, match="share their first"):
         ClientUpdates()
+
+
+def test_local_corpus_adds_the_auxiliary_split_of_further_corpora(corpus_files, tmp_path):
+    extra = tmp_path / "extra.txt"
+    extra.write_text("An extra auxiliary paragraph about hashed gradients.\n")
+    base = LocalCorpus([str(corpus_files["auxiliary"])], [str(corpus_files["evaluation"])]).load()
+    corpus = LocalCorpus([str(corpus_files["auxiliary"])], [str(corpus_files["evaluation"])],
+                         auxiliary_corpora=[LocalCorpus([str(extra)], [str(extra)])])
+    splits = corpus.load()
+    assert list(splits["auxiliary"]["text"]) == list(base["auxiliary"]["text"]) + ["An extra auxiliary paragraph about hashed gradients."]
+    assert list(splits["evaluation"]["text"]) == list(base["evaluation"]["text"])  # the further corpus' evaluation split is unused

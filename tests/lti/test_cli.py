@@ -158,3 +158,14 @@ def test_cosine_schedule_with_warmup_decays_to_zero_at_max_steps(make_config, tm
     assert state["global_step"] == 4
     assert state["lr_schedulers"][0]["_last_lr"][0] == pytest.approx(0.0, abs=1e-12)
     assert state["lr_schedulers"][0]["base_lrs"][0] == pytest.approx(1e-3)
+
+
+def test_halfway_drop_schedule_divides_the_lr_by_ten_from_half_of_the_steps(make_config, tmp_path):
+    from lti.module import SCHEDULES
+
+    assert [SCHEDULES["halfway_drop"](p) for p in (0.0, 0.49, 0.5, 1.0)] == [1.0, 1.0, 0.1, 0.1]
+    config = make_config(**{"model.scheduler": "halfway_drop", "trainer.limit_val_batches": 0})
+    main(["fit", "--config", str(config)])
+    state = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
+    assert state["global_step"] == 4
+    assert state["lr_schedulers"][0]["_last_lr"][0] == pytest.approx(1e-4)

@@ -1,0 +1,104 @@
+"""Seconds per training step by component: client updates, defense + hashing, inverter forward + loss,
+backward, optimizer step; for several inverter variants on the same batch.
+
+    python benchmarks/step_components.py --repeats 5
+    python benchmarks/step_components.py --variants mlp embedding embedding:bf16 --defense sign
+
+Builds the text DataModule on the embedded corpus (step cost does not depend on the text), draws one
+batch of `--batch` auxiliary blocks, and times each component separately (median of `--repeats`
+after one warm-up), single process, on the CPU by default. `update` is the client protocol's
+gradients of the batch; `hash` is the FeatureHasher on them (the defense is timed with `update`:
+it acts on per-example gradients inside the protocol). A variant is `name[:bf16]` with name one of
+`mlp` (the paper's MLP inverter), `embedding` (the embedding-scored head) or `embedding-sampled`
+(the same head scoring the batch's tokens plus sampled negatives in training, lti.loss).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def timed(fn, repeats: int) -> tuple[float, object]:
+    fn()  # warm-up (allocations, oneDNN primitive creation)
+    times, out = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--hash-fraction", type=float, default=0.1)
+    parser.add_argument("--defense", default="none", help="none, sign, prune or gauss")
+    parser.add_argument("--variants", nargs="+", default=["mlp", "embedding", "embedding:bf16", "embedding-sampled", "embedding-sampled:bf16"])
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from datamodules.federated import GaussianNoise, NoDefense, Sign, TopKPruning
+    from datamodules.text_inversion import TextInversionDataModule
+    from lti.inverters import build_inverter
+    from lti.loss import InverterLoss
+
+    defenses = {"none": NoDefense(), "sign": Sign(), "prune": TopKPruning(0.99), "gauss": GaussianNoise(0.01)}
+    data = TextInversionDataModule(defense=defenses[args.defense], hash_fraction=args.hash_fraction, batch_size=args.batch)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    fields = data.client_batch(batch)
+    pipeline = data.pipeline
+    spec = data.inversion_spec
+
+    rows = []
+    t_total, observed = timed(lambda: pipeline(fields, keep_update=True), args.repeats)
+    t_hash, features = timed(lambda: pipeline.hasher(observed.update), args.repeats)
+    rows.append(("update (+ defense)", t_total - t_hash))
+    rows.append(("hash", t_hash))
+    targets = batch["input_ids"].reshape(args.batch, -1)
+    mask = torch.ones_like(targets)
+
+    print(f"CPU threads {torch.get_num_threads()}, batch {args.batch}, k = {spec.num_features}, defense {args.defense}")
+    print(f"{'component':<40} {'seconds':>8}")
+    for name, seconds in rows:
+        print(f"{name:<40} {seconds:8.3f}")
+    for variant in args.variants:
+        name, _, precision = variant.partition(":")
+        kind = {"mlp": "mlp", "embedding": "embedding", "embedding-sampled": "embedding"}[name]
+        torch.manual_seed(0)
+        inverter = build_inverter(kind)
+        inverter.bind(spec)
+        loss_fn = InverterLoss(negatives=4096 if name == "embedding-sampled" else None)
+        optimizer = torch.optim.Adam(inverter.parameters(), lr=1e-4)
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+
+        def forward():
+            with autocast:
+                return loss_fn(inverter, features, targets, mask, training=True)[0]
+
+        def backward():
+            optimizer.zero_grad(set_to_none=True)
+            forward().backward()
+
+        t_fwd, _ = timed(forward, args.repeats)
+        t_fwdbwd, _ = timed(backward, args.repeats)
+        t_opt, _ = timed(optimizer.step, args.repeats)
+        params = sum(p.numel() for p in inverter.parameters())
+        print(f"{variant} ({params / 1e6:.1f}M parameters)")
+        print(f"  {'inverter forward + loss':<38} {t_fwd:8.3f}")
+        print(f"  {'backward':<38} {t_fwdbwd - t_fwd:8.3f}")
+        print(f"  {'optimizer (Adam)':<38} {t_opt:8.3f}")
+        total = t_total + t_fwdbwd + t_opt
+        print(f"  {'step total (on-the-fly updates)':<38} {total:8.3f}")
+        print(f"  {'step total (cached features)':<38} {t_fwdbwd + t_opt:8.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""Cached observations: the hashed updates of the auxiliary split, computed once and read from disk.
+
+When a client's update is a deterministic function of its data (dropout 0 or eval mode, as the LTI
+paper's transformer3), the hashed update of an auxiliary sample never changes: for no defense, sign
+and pruning alike. Gaussian noise is added after hashing, per bin with variance sigma^2 * (observed
+coordinates in the bin), which has exactly the distribution of per-coordinate noise hashed (a sum of
+independent normals), and is fresh for every batch. So one pass over the auxiliary data feeds every
+epoch of LTI.
+
+On disk (one folder): `features.npy`, float16 (N, k) rows scaled to unit RMS (raw gradients can be
+smaller than float16's normal range), `scales.npy` (N,) float32 row scales, and `meta.json` (the key
+below and the row count). The key names everything the features depend on: hash spec (with the
+target's weight fingerprint), client protocol, defense, and a digest of the auxiliary samples. A
+cache whose key differs is refused with the first difference, or rebuilt on request; a cache is
+built in a temporary folder that is renamed into place only once complete, so an interrupted build
+is never read. Plain PyTorch + NumPy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from datamodules.client_updates import ClientUpdates
+from datamodules.federated import GaussianNoise, NoDefense, Sign, TopKPruning
+from datamodules.federated.pipeline import UpdatePipeline
+
+FORMAT_VERSION = 1
+#: Defenses whose defended update is a deterministic function of the client update.
+DETERMINISTIC_DEFENSES = (NoDefense, Sign, TopKPruning)
+
+
+def _digest(*tensors: Tensor) -> str:
+    digest = hashlib.sha256()
+    for tensor in tensors:
+        digest.update(str(tuple(tensor.shape)).encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def cached_defense(pipeline: UpdatePipeline) -> tuple[dict, float]:
+    """(what the cached features hold, sigma of the per-bin noise added when reading them)."""
+    defense = pipeline.defense
+    if isinstance(defense, DETERMINISTIC_DEFENSES):
+        return defense.describe(), 0.0
+    if isinstance(defense, GaussianNoise):
+        return NoDefense().describe(), defense.sigma
+    raise ValueError(
+        f"observations under {type(defense).__name__} cannot be cached (only none, sign, pruning and Gaussian "
+        "noise); drop data.observation_cache to compute them on the fly"
+    )
+
+
+def cache_key(pipeline: UpdatePipeline, updates: ClientUpdates) -> dict:
+    stored, _ = cached_defense(pipeline)
+    return {
+        "format": FORMAT_VERSION,
+        "hash_spec": pipeline.spec.fingerprint(),
+        "target": pipeline.spec.target_fingerprint,
+        "client": pipeline.client.describe(),
+        "defense": stored,
+        "samples": _digest(*updates.fields.values()),
+        "rows": len(updates),
+        "bins": pipeline.spec.num_bins,
+    }
+
+
+def key_difference(saved: dict, wanted: dict) -> str | None:
+    names = {"hash_spec": "hash spec", "target": "target model weights", "client": "client protocol",
+             "defense": "defense", "samples": "auxiliary samples (corpus, tokenizer, packing or grouping)",
+             "rows": "number of auxiliary updates", "bins": "hash bins", "format": "cache format"}
+    for field, label in names.items():
+        if saved.get(field) != wanted.get(field):
+            return f"{label}: cache {saved.get(field)!r}, now {wanted.get(field)!r}"
+    return None
+
+
+class ObservationCache:
+    """The cached features of one DataModule's auxiliary updates (`features(index)` -> (n, k) float32)."""
+
+    def __init__(self, path: str | Path, pipeline: UpdatePipeline, updates: ClientUpdates, batch_size: int = 64,
+                 rebuild: bool = False, progress: bool = True) -> None:
+        self.path, self.pipeline, self.updates = Path(path), pipeline, updates
+        self.key = cache_key(pipeline, updates)
+        self.noise_sigma = cached_defense(pipeline)[1]
+        meta = self.path / "meta.json"
+        if self.path.exists():
+            if not meta.is_file():
+                raise ValueError(f"observation cache {str(self.path)!r} exists but is not a complete cache (no meta.json); remove it or choose another path")
+            difference = key_difference(json.loads(meta.read_text())["key"], self.key)
+            if difference is not None and not rebuild:
+                raise ValueError(f"observation cache {str(self.path)!r} was built for other observations ({difference}); "
+                                 "set data.rebuild_observation_cache true or choose another path")
+            if difference is not None:
+                shutil.rmtree(self.path)
+        if not self.path.exists():
+            self._build(batch_size, progress)
+        self._features = np.load(self.path / "features.npy", mmap_mode="r")
+        self._scales = torch.from_numpy(np.load(self.path / "scales.npy"))
+        bins = pipeline.hasher.bins.cpu()
+        # Per-bin standard deviation of hashed per-coordinate noise: sigma * sqrt(coordinates in the bin).
+        self.noise_std = self.noise_sigma * torch.bincount(bins, minlength=pipeline.spec.num_bins).double().sqrt().float()
+
+    @staticmethod
+    def bytes_needed(rows: int, bins: int) -> int:
+        return rows * bins * 2 + rows * 4
+
+    def _build(self, batch_size: int, progress: bool) -> None:
+        rows, bins = len(self.updates), self.pipeline.spec.num_bins
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        needed = self.bytes_needed(rows, bins)
+        free = shutil.disk_usage(self.path.parent).free
+        if needed > free:
+            raise ValueError(f"observation cache needs {needed / 1e9:.1f} GB at {str(self.path.parent)!r}, only {free / 1e9:.1f} GB free")
+        tmp = self.path.with_name(f"{self.path.name}.partial-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            features = np.lib.format.open_memmap(tmp / "features.npy", mode="w+", dtype=np.float16, shape=(rows, bins))
+            scales = np.zeros(rows, dtype=np.float32)
+            stored_defense = self.pipeline.defense if self.noise_sigma == 0 else NoDefense()
+            iterator = range(0, rows, batch_size)
+            if progress:
+                from tqdm.auto import tqdm
+
+                iterator = tqdm(iterator, desc=f"caching observations ({rows} updates, {needed / 1e9:.1f} GB)", unit="batch")
+            for start in iterator:
+                index = torch.arange(start, min(start + batch_size, rows))
+                batch = {name: value[index] for name, value in self.updates.fields.items()}
+                clean = self._observe(batch, stored_defense, seed=0)
+                if start == 0 and not torch.equal(clean, self._observe(batch, stored_defense, seed=1)):
+                    raise ValueError("client updates are random (dropout in train mode?): caching would freeze one draw; "
+                                     "use a deterministic client or drop data.observation_cache")
+                scale = clean.pow(2).mean(dim=1).sqrt().clamp_min(1e-30)
+                features[start : start + len(index)] = (clean / scale[:, None]).numpy().astype(np.float16)
+                scales[start : start + len(index)] = scale.numpy()
+            features.flush()
+            del features
+            np.save(tmp / "scales.npy", scales)
+            (tmp / "meta.json").write_text(json.dumps({"key": self.key, "rows": rows}, indent=1))
+            os.replace(tmp, self.path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _observe(self, batch: dict, defense, seed: int) -> Tensor:
+        fields = {name: value for name, value in batch.items() if name in self.pipeline.loss.fields}
+        saved = self.pipeline.defense
+        self.pipeline.defense = defense
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                return self.pipeline(fields).features.float().cpu()
+        finally:
+            self.pipeline.defense = saved
+
+    def __len__(self) -> int:
+        return self._features.shape[0]
+
+    def features(self, index: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        """Rows `index` as float32 (n, k), with fresh per-bin noise under a Gaussian-noise defense."""
+        index = index.cpu()
+        rows = torch.from_numpy(np.ascontiguousarray(self._features[index.numpy()])).float()
+        rows *= self._scales[index][:, None]
+        if self.noise_sigma > 0:
+            rows += self.noise_std * torch.randn(rows.shape, generator=generator)
+        return rows
+

@@ -1,0 +1,113 @@
+"""Training batches as a function of the step: what makes an interrupted run resume exactly.
+
+Batch number `t` of a run (one batch per optimizer step) is fully determined by (seed, rank, t):
+auxiliary updates come in an epoch-seeded permutation (epoch = t // batches per epoch), pseudo-data
+is drawn from a generator seeded by t. A stream starts at the position its `position()` callable
+returns when iteration begins (the trainer's restored step on a resumed run), so a run stopped at
+step n and resumed sees exactly the batches n, n+1, ... of the uninterrupted run: no loader state
+has to be saved, and the one-batch prefetch of the training loop cannot shift it. Loader workers
+(forked when iteration begins) share the steps round-robin.
+
+With DDP, rank r of w takes the r-th of w disjoint slices of each permutation (auxiliary data) or
+its own generator stream (pseudo-data). Plain PyTorch.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+from torch.utils.data import IterableDataset
+
+from datamodules.client_updates import ClientUpdates
+
+_MIX = 0x9E3779B97F4A7C15  # golden-ratio odd constant: spreads nearby (seed, step) pairs apart
+
+
+def step_seed(*parts: int) -> int:
+    """A 63-bit seed from integers (seed, salt, rank, step, ...), different for any change of one part."""
+    value = 0
+    for part in parts:
+        value = ((value ^ (int(part) & 0xFFFFFFFFFFFFFFFF)) * _MIX + 0x632BE59BD9B4E019) & 0xFFFFFFFFFFFFFFFF
+        value ^= value >> 29
+    return value & 0x7FFFFFFFFFFFFFFF
+
+
+def step_generator(*parts: int) -> torch.Generator:
+    return torch.Generator().manual_seed(step_seed(*parts))
+
+
+class TrainingStream(IterableDataset, ABC):
+    """Yields ready batches (dicts) for steps `position()`, `position() + 1`, ...; `len()` is the
+    number of batches per epoch. Use with `DataLoader(stream, batch_size=None)`."""
+
+    def __init__(self, batches_per_epoch: int, seed: int, rank: int = 0, world_size: int = 1,
+                 position: Callable[[], int] | None = None) -> None:
+        if batches_per_epoch < 1:
+            raise ValueError(f"batches_per_epoch={batches_per_epoch} must be >= 1")
+        self.batches_per_epoch, self.seed, self.rank, self.world_size = batches_per_epoch, seed, rank, world_size
+        self.position = position or (lambda: 0)
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch
+
+    def __iter__(self):
+        # Loader workers take every n-th step; the DataLoader reads them round-robin, so the stream
+        # keeps its order whatever the number of workers.
+        worker = torch.utils.data.get_worker_info()
+        offset, stride = (0, 1) if worker is None else (worker.id, worker.num_workers)
+        start = self.position()
+        end = (start // self.batches_per_epoch + 1) * self.batches_per_epoch  # to the end of this epoch
+        for step in range(start + offset, end, stride):
+            yield self.batch(step)
+
+    @abstractmethod
+    def batch(self, step: int) -> dict[str, Tensor]:
+        """The batch of training step `step` on this rank."""
+
+
+class AuxiliaryStream(TrainingStream):
+    """Auxiliary client updates, each epoch in a fresh permutation fixed by (seed, epoch); drops the
+    last incomplete batch of an epoch."""
+
+    def __init__(self, updates: ClientUpdates, batch_size: int, seed: int, rank: int = 0, world_size: int = 1,
+                 position: Callable[[], int] | None = None,
+                 features: Callable[[Tensor, torch.Generator], Tensor] | None = None) -> None:
+        """`features(index, generator)`: the observed features of updates `index` (a cache), put in the
+        batch as `features`, with a generator seeded by the step for any noise it adds."""
+        per_epoch = len(updates) // (batch_size * world_size)
+        if per_epoch < 1:
+            raise ValueError(f"only {len(updates)} auxiliary updates: too few for one batch of {batch_size} on {world_size} rank(s)")
+        super().__init__(per_epoch, seed, rank, world_size, position)
+        self.updates, self.batch_size, self.features = updates, batch_size, features
+        self._permutation: tuple[int, Tensor] | None = None
+
+    def permutation(self, epoch: int) -> Tensor:
+        if self._permutation is None or self._permutation[0] != epoch:
+            order = torch.randperm(len(self.updates), generator=step_generator(self.seed, 1, epoch))
+            self._permutation = (epoch, order)
+        return self._permutation[1]
+
+    def batch(self, step: int) -> dict[str, Tensor]:
+        epoch, i = divmod(step, self.batches_per_epoch)
+        start = (i * self.world_size + self.rank) * self.batch_size
+        index = self.permutation(epoch)[start : start + self.batch_size]
+        batch = {**{name: value[index] for name, value in self.updates.fields.items()}, "index": index}
+        if self.features is not None:
+            batch["features"] = self.features(index, step_generator(self.seed, 6, self.rank, step))
+        return batch
+
+
+class SampledStream(TrainingStream):
+    """Batches drawn by `draw(generator)`, with a generator seeded by (seed, rank, step): LTI-P's
+    fresh pseudo-data for every batch, reproducible from the step alone."""
+
+    def __init__(self, draw: Callable[[torch.Generator], dict[str, Tensor]], batches_per_epoch: int, seed: int,
+                 rank: int = 0, world_size: int = 1, position: Callable[[], int] | None = None) -> None:
+        super().__init__(batches_per_epoch, seed, rank, world_size, position)
+        self.draw = draw
+
+    def batch(self, step: int) -> dict[str, Tensor]:
+        return self.draw(step_generator(self.seed, 2, self.rank, step))

@@ -1,0 +1,75 @@
+"""A run stopped at step n and resumed from its checkpoint to 2n ends where an uninterrupted 2n-step
+run ends: same data stream, same pseudo-data, noise and negative draws (datamodules.training_stream)."""
+
+import csv
+
+import pytest
+import torch
+
+from lti.cli import main
+
+from conftest import tiny_config
+
+N = 3  # steps before the interruption; the tiny corpus has 4 batches per epoch, so 2N crosses an epoch
+
+
+def _fit(tmp_path, corpus_files, name, steps, ckpt=None, **overrides):
+    folder = tmp_path / name
+    folder.mkdir(exist_ok=True)
+    config = tiny_config(folder, corpus_files, **{
+        "trainer.max_steps": steps, "trainer.val_check_interval": N, "trainer.check_val_every_n_epoch": None,
+        "checkpoint.every_n_train_steps": N, "curve.path": str(folder / "curve.csv"), **overrides,
+    })
+    main(["fit", "--config", str(config)] + (["--ckpt_path", str(ckpt)] if ckpt else []))
+    return folder
+
+
+def _weights(folder):
+    return torch.load(folder / "ckpt" / "last.ckpt", weights_only=True)["state_dict"]
+
+
+SETTINGS = {
+    "auxiliary data": {},
+    "pseudo-data": {"data.training_data": "pseudo"},
+    "gaussian noise + sampled softmax": {
+        "data.defense": {"class_path": "datamodules.federated.GaussianNoise", "init_args": {"sigma": 0.01}},
+        "model.negatives": 50,
+    },
+}
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_resumed_run_ends_where_the_uninterrupted_run_ends(tmp_path, corpus_files, setting):
+    overrides = SETTINGS[setting]
+    whole = _fit(tmp_path, corpus_files, "whole", 2 * N, **overrides)
+    half = _fit(tmp_path, corpus_files, "half", N, **overrides)
+    resumed = _fit(tmp_path, corpus_files, "half", 2 * N, ckpt=half / "ckpt" / "last.ckpt", **overrides)
+    a, b = _weights(whole), _weights(resumed)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.allclose(a[key], b[key], atol=1e-6, rtol=1e-5), key
+    # The learning curve goes on in the same file: one row per validation, steps N and 2N.
+    rows = list(csv.DictReader((resumed / "curve.csv").open()))
+    assert [int(r["step"]) for r in rows] == [N, 2 * N]
+    whole_rows = list(csv.DictReader((whole / "curve.csv").open()))
+    assert float(rows[-1]["val/lti/token_acc"]) == pytest.approx(float(whole_rows[-1]["val/lti/token_acc"]))
+    assert float(rows[-1]["wall_minutes"]) >= float(rows[0]["wall_minutes"])
+
+
+def test_a_run_without_resume_differs_after_the_interruption(tmp_path, corpus_files):
+    # The check above can fail: a second run from scratch to 2N with another seed ends elsewhere.
+    whole = _fit(tmp_path, corpus_files, "whole", 2 * N)
+    other = _fit(tmp_path, corpus_files, "other", 2 * N, **{"data.seed": 1})
+    a, b = _weights(whole), _weights(other)
+    assert any(not torch.allclose(a[k], b[k], atol=1e-6, rtol=1e-5) for k in a)
+
+
+def test_curve_rows_after_the_resumed_step_are_dropped(tmp_path, corpus_files):
+    folder = _fit(tmp_path, corpus_files, "run", 2 * N, **{"checkpoint.save_top_k": -1})
+    # Resume from the step-N checkpoint: the interrupted run's row for 2N is replaced, not doubled.
+    first = sorted((folder / "ckpt").glob("step*.ckpt"))
+    assert first, "no step checkpoint was written"
+    step_n = [p for p in first if p.stem == f"step{N}"]
+    _fit(tmp_path, corpus_files, "run", 2 * N, ckpt=step_n[0], **{"checkpoint.save_top_k": -1})
+    rows = list(csv.DictReader((folder / "curve.csv").open()))
+    assert [int(r["step"]) for r in rows] == [N, 2 * N]
