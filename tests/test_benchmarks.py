@@ -86,3 +86,27 @@ def test_behaviour_equivalence_compares_metrics_and_every_weight(tmp_path):
         torch.save({"state_dict": {"w": torch.ones(3) + shift}}, tmp_path / name / "ckpt" / "last.ckpt")
     assert compare(tmp_path / "a", tmp_path / "b") == (0.0, 0.0)
     assert compare(tmp_path / "a", tmp_path / "c") == (0.25, 0.25)
+
+
+def test_paper_table_reports_each_runs_last_row_never_its_best(tmp_path, monkeypatch):
+    import csv
+    import sys
+
+    curve = tmp_path / "curve.csv"
+    curve.write_text(
+        "step,samples,wall_minutes,val/lti/rouge1,val/lti/rouge2,val/lti/rougeL,val/lti/token_acc\n"
+        "500,32000,5.0,0.5,0.3,0.5,0.60\n1000,64000,10.0,0.8,0.6,0.8,0.90\n1500,96000,15.5,0.7,0.5,0.7,0.85\n"
+    )
+    table = load_benchmark("paper_table")
+    monkeypatch.setattr(sys, "argv", ["paper_table", "--out", str(tmp_path / "out"), "--cell", "lti_p", "none", str(curve), "lti fit ..."])
+    table.main()
+    rows = {(r["attack"], r["defense"]): r for r in csv.DictReader((tmp_path / "out" / "table2.csv").open())}
+    assert len(rows) == 8  # every Table 2 cell, measured or not
+    cell = rows["lti_p", "none"]
+    assert float(cell["token_acc"]) == 0.85 and int(cell["steps"]) == 1500 and float(cell["wall_minutes"]) == 15.5
+    assert float(cell["paper_token_acc"]) == 0.9114 and cell["command"] == "lti fit ..."
+    assert rows["lti", "sign"]["token_acc"] == ""  # no run: empty, not invented
+    assert (tmp_path / "out" / "curves" / "lti_p_none.png").stat().st_size > 1000
+    with pytest.raises(ValueError, match="not in Table 2"):
+        monkeypatch.setattr(sys, "argv", ["paper_table", "--out", str(tmp_path / "out"), "--cell", "lti", "dpsgd", str(curve), "x"])
+        table.main()

@@ -111,14 +111,16 @@ def test_wandb_offline_run_is_written(make_config, tmp_path, monkeypatch):
 @pytest.mark.parametrize("config", sorted(str(p.relative_to(REPO)) for p in (REPO / "configs").rglob("*.yaml")
                                           if p.parent.name != "matrix"))
 def test_every_config_parses(config, capsys):
-    # Vision protocol overlays need a vision run under them.
-    base = ["--config", str(REPO / "configs/vision/lti_digits.yaml")] if config.startswith("configs/vision/protocols/") else []
+    # Overlays need their run under them: vision protocols, the paper's defense rows, the recipe's cells.
+    bases = {"configs/vision/protocols/": "configs/vision/lti_digits.yaml", "configs/paper/defenses/": "configs/paper/lti_wikitext103.yaml",
+             "configs/reproduction/lti/": "configs/reproduction/lti.yaml", "configs/reproduction/lti_p/": "configs/reproduction/lti_p.yaml"}
+    base = next((["--config", str(REPO / run)] for folder, run in bases.items() if config.startswith(folder)), [])
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", *base, "--config", str(REPO / config), "--print_config"])
     assert exit_info.value.code in (0, None)
     parsed = yaml.safe_load(capsys.readouterr().out)
     assert "data" in parsed and "model" in parsed
-    if base:  # the overlay's client replaces the base's FedSGD one
+    if config.startswith("configs/vision/protocols/"):  # the overlay's client replaces the base's FedSGD one
         expected = yaml.safe_load((REPO / config).read_text())["data"]["init_args"]["client"]
         assert parsed["data"]["init_args"]["client"]["class_path"] == expected["class_path"]
 
@@ -169,3 +171,21 @@ def test_halfway_drop_schedule_divides_the_lr_by_ten_from_half_of_the_steps(make
     state = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
     assert state["global_step"] == 4
     assert state["lr_schedulers"][0]["_last_lr"][0] == pytest.approx(1e-4)
+
+
+@pytest.mark.parametrize("attack", ["lti", "lti_p"])
+def test_paper_configs_are_the_papers_schedule_with_its_learning_rate_per_defense(attack, capsys):
+    lrs = {"none": 1e-3, "sign": 1e-5, "prune": 1e-3, "gauss": 1e-4}
+    for defense, lr in lrs.items():
+        with pytest.raises(SystemExit):
+            main(["fit", "--config", str(REPO / f"configs/paper/{attack}_wikitext103.yaml"),
+                  "--config", str(REPO / f"configs/paper/defenses/{defense}.yaml"), "--print_config"])
+        parsed = yaml.safe_load(capsys.readouterr().out)
+        model, data = parsed["model"]["init_args"], parsed["data"]["init_args"]
+        assert model["lr"] == lr and model["scheduler"] == "halfway_drop"
+        assert parsed["trainer"]["max_epochs"] == 100 and parsed["trainer"]["check_val_every_n_epoch"] == 1
+        assert data["train_samples"] == 180_135 and data["eval_samples"] == 1000 and data["batch_size"] == 64
+        assert data["corpus"]["init_args"]["evaluation_split"] == "validation"
+        assert data["training_data"] == ("pseudo" if attack == "lti_p" else "auxiliary")
+        if attack == "lti_p":
+            assert data["pseudo_batches_per_epoch"] == 180_135 // 64
