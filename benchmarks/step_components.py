@@ -1,16 +1,22 @@
-"""Seconds per training step by component: client updates, defense + hashing, inverter forward + loss,
-backward, optimizer step; for several inverter variants on the same batch.
+"""Seconds per training step by component: client updates (+ defense), hashing, reading cached
+features, inverter forward + loss, backward, optimizer step; for the old and the new training path.
 
     python benchmarks/step_components.py --repeats 5
-    python benchmarks/step_components.py --variants mlp embedding embedding:bf16 --defense sign
+    python benchmarks/step_components.py --variants mlp embedding:bf16 embedding-sampled:bf16:fused --defense sign
 
 Builds the text DataModule on the embedded corpus (step cost does not depend on the text), draws one
 batch of `--batch` auxiliary blocks, and times each component separately (median of `--repeats`
 after one warm-up), single process, on the CPU by default. `update` is the client protocol's
-gradients of the batch; `hash` is the FeatureHasher on them (the defense is timed with `update`:
-it acts on per-example gradients inside the protocol). A variant is `name[:bf16]` with name one of
-`mlp` (the paper's MLP inverter), `embedding` (the embedding-scored head) or `embedding-sampled`
-(the same head scoring the batch's tokens plus sampled negatives in training, lti.loss).
+gradients of the batch with the defense (it acts on per-example gradients inside the protocol);
+`hash` is the FeatureHasher on them; `cached features` reads a batch of random rows from a float16
+memmap in the page cache (what the observation cache costs instead of update + hash).
+
+A variant is `inverter[:bf16][:fused]`: `mlp` (the paper's MLP inverter), `embedding` (the
+embedding-scored head), `embedding-sampled` (the same head, scoring the batch's tokens plus 4,096
+sampled negatives in training, lti.loss); `bf16` autocast; `fused` the fused Adam kernel with
+gradients zeroed in place (without it: torch's default multi-tensor Adam, gradients freed). The
+old path is `mlp` (paper config) and `embedding` (quickstart); the new one
+`embedding-sampled:bf16:fused` (configs/reproduction/).
 """
 
 from __future__ import annotations
@@ -32,18 +38,40 @@ def timed(fn, repeats: int) -> tuple[float, object]:
     return statistics.median(times), out
 
 
+def cache_read_seconds(rows: int, bins: int, batch: int, repeats: int) -> float:
+    """Seconds to read `batch` random rows of a (rows, bins) float16 memmap and scale them to float32."""
+    import tempfile
+
+    import numpy as np
+
+    with tempfile.TemporaryDirectory() as folder:
+        table = np.lib.format.open_memmap(f"{folder}/features.npy", mode="w+", dtype=np.float16, shape=(rows, bins))
+        table[:] = 1.0
+        table.flush()
+        cached = np.load(f"{folder}/features.npy", mmap_mode="r")
+        scales = torch.ones(rows)
+        generator = torch.Generator().manual_seed(0)
+
+        def read():
+            index = torch.randint(rows, (batch,), generator=generator)
+            return torch.from_numpy(np.ascontiguousarray(cached[index.numpy()])).float() * scales[index][:, None]
+
+        seconds, _ = timed(read, repeats)
+        del cached, table
+    return seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--hash-fraction", type=float, default=0.1)
     parser.add_argument("--defense", default="none", help="none, sign, prune or gauss")
-    parser.add_argument("--variants", nargs="+", default=["mlp", "embedding", "embedding:bf16", "embedding-sampled", "embedding-sampled:bf16"])
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--adam", choices=["foreach", "fused"], default="foreach",
-                        help="Adam implementation (foreach: torch's default on CPU; fused: one kernel, no temporaries)")
-    parser.add_argument("--keep-grads", action="store_true",
-                        help="zero gradients in place instead of freeing them (no 240 MB reallocation per step)")
+    parser.add_argument("--variants", nargs="+", default=["mlp", "embedding", "embedding-sampled:bf16:fused"],
+                        help="inverter[:bf16][:fused]: mlp (the paper's), embedding, embedding-sampled (4,096 sampled "
+                             "negatives); bf16 autocast; fused = fused Adam + gradients zeroed in place")
+    parser.add_argument("--cache-rows", type=int, default=4096,
+                        help="rows of the float16 memmap used to time reading cached features (warm page cache)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -66,24 +94,27 @@ def main() -> None:
     t_hash, features = timed(lambda: pipeline.hasher(observed.update), args.repeats)
     rows.append(("update (+ defense)", t_total - t_hash))
     rows.append(("hash", t_hash))
+    rows.append(("cached features (float16 memmap read)", cache_read_seconds(args.cache_rows, spec.num_features, args.batch, args.repeats)))
     targets = batch["input_ids"].reshape(args.batch, -1)
     mask = torch.ones_like(targets)
 
     import os
 
     print(f"CPU threads {torch.get_num_threads()}, batch {args.batch}, k = {spec.num_features}, defense {args.defense}, "
-          f"adam {args.adam}, keep grads {args.keep_grads}, THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '0')}")
+          f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '0')}")
     print(f"{'component':<40} {'seconds':>8}")
     for name, seconds in rows:
         print(f"{name:<40} {seconds:8.3f}")
     for variant in args.variants:
-        name, _, precision = variant.partition(":")
+        name, *flags = variant.split(":")
+        precision = "bf16" if "bf16" in flags else "fp32"
+        fused = "fused" in flags
         kind = {"mlp": "mlp", "embedding": "embedding", "embedding-sampled": "embedding"}[name]
         torch.manual_seed(0)
         inverter = build_inverter(kind)
         inverter.bind(spec)
         loss_fn = InverterLoss(negatives=4096 if name == "embedding-sampled" else None)
-        optimizer = torch.optim.Adam(inverter.parameters(), lr=1e-4, fused=args.adam == "fused")
+        optimizer = torch.optim.Adam(inverter.parameters(), lr=1e-4, fused=fused)
         autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
 
         def forward():
@@ -91,7 +122,7 @@ def main() -> None:
                 return loss_fn(inverter, features, targets, mask, training=True)[0]
 
         def backward():
-            optimizer.zero_grad(set_to_none=not args.keep_grads)
+            optimizer.zero_grad(set_to_none=not fused)
             forward().backward()
 
         t_fwd, _ = timed(forward, args.repeats)
@@ -104,7 +135,7 @@ def main() -> None:
         print(f"  {'optimizer (Adam)':<38} {t_opt:8.3f}")
         total = t_total + t_fwdbwd + t_opt
         print(f"  {'step total (on-the-fly updates)':<38} {total:8.3f}")
-        print(f"  {'step total (cached features)':<38} {t_fwdbwd + t_opt:8.3f}")
+        print(f"  {'step total (cached features)':<38} {rows[2][1] + t_fwdbwd + t_opt:8.3f}")
 
 
 if __name__ == "__main__":
