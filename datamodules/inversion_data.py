@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 from datamodules.client_updates import ClientUpdates
 from datamodules.federated import ClientProtocol, Defense, Hashing, ParameterSelection, UpdatePipeline
 from datamodules.federated.losses import ClientLoss
-from datamodules.training_stream import AuxiliaryStream, TrainingStream, step_seed
+from datamodules.training_stream import EVALUATION, OBSERVATION, AuxiliaryStream, TrainingStream, step_seed
 
 
 def check_sizes(batch_size: int, train_samples: int | None, eval_samples: int | None) -> None:
@@ -90,9 +90,7 @@ class InversionDataModule(LightningDataModule):
 
     def training_position(self) -> int:
         """Training batches consumed so far (0 without a trainer; a resumed run's restored step)."""
-        if self.trainer is None:
-            return 0
-        return self.trainer.global_step * self.trainer.accumulate_grad_batches
+        return 0 if self.trainer is None else self.trainer.global_step
 
     def train_dataloader(self) -> DataLoader:
         cache = self._open_cache() if self.observation_cache else None
@@ -102,22 +100,30 @@ class InversionDataModule(LightningDataModule):
         ))
 
     def _open_cache(self):
-        """The observation cache of the auxiliary updates (built on rank 0 first; the others wait)."""
+        """The observation cache of the auxiliary updates (built on rank 0 first; the others wait, so
+        with several nodes the folder must be on a shared file system)."""
         from datamodules.observation_cache import ObservationCache
 
         if self._cache is None:
             distributed = self.trainer is not None and self.trainer.world_size > 1
             if distributed and self._rank() != 0:
                 self.trainer.strategy.barrier("observation cache")
+            if self.trainer is not None:  # build on the run's device (a GPU computes the updates far faster)
+                self.pipeline.to(self.trainer.strategy.root_device)
             self._cache = ObservationCache(self.observation_cache, self.pipeline, self._splits[self.train_split],
-                                           self.batch_size, rebuild=self.rebuild_observation_cache and self._rank() == 0)
+                                           self.batch_size, rebuild=self.rebuild_observation_cache and self._rank() == 0,
+                                           client_batch=self.client_batch)
             if distributed and self._rank() == 0:
                 self.trainer.strategy.barrier("observation cache")
         return self._cache
 
     def _stream_loader(self, stream: TrainingStream) -> DataLoader:
         # Training batches are a function of the step (datamodules.training_stream): resuming is exact.
-        return DataLoader(stream, batch_size=None, num_workers=self.num_workers)
+        # One batch per optimizer step is what makes the step the batch's index.
+        if self.trainer is not None and self.trainer.accumulate_grad_batches != 1:
+            raise ValueError("trainer.accumulate_grad_batches must be 1 (training batches are indexed by the optimizer "
+                             "step); raise data.batch_size instead")
+        return DataLoader(stream, batch_size=None)
 
     def _eval_loader(self, stage: str) -> DataLoader:
         return DataLoader(self._splits[self.eval_splits[stage]], batch_size=self.batch_size, shuffle=False,
@@ -141,9 +147,10 @@ class InversionDataModule(LightningDataModule):
         a training batch's comes from its step (so a resumed run draws the same noise), an evaluation
         batch's from its first update's index (every validation sees the same noisy updates)."""
         if training:
-            return step_seed(self.seed, 3, self._rank(), self.training_position())
+            step = int(batch["step"]) if "step" in batch else self.training_position()
+            return step_seed(OBSERVATION, self.seed, self._rank(), step)
         first = int(batch["index"].reshape(-1)[0]) if "index" in batch else 0
-        return step_seed(self.seed, 4, first)
+        return step_seed(EVALUATION, self.seed, first)
 
     def on_after_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
         if "features" in batch:  # read from the observation cache: nothing to compute

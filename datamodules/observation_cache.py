@@ -45,6 +45,21 @@ def _digest(*tensors: Tensor) -> str:
     return digest.hexdigest()[:16]
 
 
+def computation_fingerprint(module: torch.nn.Module) -> str:
+    """A digest of what a model computes beyond its weights: every submodule's class and plain
+    settings (heads, dropout p, norm eps, causal flags, ...) and a Hugging Face config if any. Two
+    models with equal weights but, say, another head count or mask get different fingerprints."""
+    digest = hashlib.sha256()
+    for name, sub in module.named_modules():
+        plain = sorted((k, v) for k, v in vars(sub).items()
+                       if isinstance(v, (bool, int, float, str)) and k != "training" and not k.startswith("_"))
+        digest.update(f"{name}:{type(sub).__qualname__}:{plain}".encode())
+        config = getattr(sub, "config", None)
+        if hasattr(config, "to_json_string"):
+            digest.update(config.to_json_string().encode())
+    return digest.hexdigest()[:16]
+
+
 def cached_defense(pipeline: UpdatePipeline) -> tuple[dict, float]:
     """(what the cached features hold, sigma of the per-bin noise added when reading them)."""
     defense = pipeline.defense
@@ -64,6 +79,7 @@ def cache_key(pipeline: UpdatePipeline, updates: ClientUpdates) -> dict:
         "format": FORMAT_VERSION,
         "hash_spec": pipeline.spec.fingerprint(),
         "target": pipeline.spec.target_fingerprint,
+        "target_computation": computation_fingerprint(pipeline.target),
         "client": pipeline.client.describe(),
         "defense": stored,
         "samples": _digest(*updates.fields.values()),
@@ -73,7 +89,8 @@ def cache_key(pipeline: UpdatePipeline, updates: ClientUpdates) -> dict:
 
 
 def key_difference(saved: dict, wanted: dict) -> str | None:
-    names = {"hash_spec": "hash spec", "target": "target model weights", "client": "client protocol",
+    names = {"hash_spec": "hash spec", "target": "target model weights",
+             "target_computation": "target model settings (heads, dropout, masks, config)", "client": "client protocol",
              "defense": "defense", "samples": "auxiliary samples (corpus, tokenizer, packing or grouping)",
              "rows": "number of auxiliary updates", "bins": "hash bins", "format": "cache format"}
     for field, label in names.items():
@@ -86,14 +103,20 @@ class ObservationCache:
     """The cached features of one DataModule's auxiliary updates (`features(index)` -> (n, k) float32)."""
 
     def __init__(self, path: str | Path, pipeline: UpdatePipeline, updates: ClientUpdates, batch_size: int = 64,
-                 rebuild: bool = False, progress: bool = True) -> None:
+                 rebuild: bool = False, progress: bool = True, client_batch=None) -> None:
+        """`client_batch(batch)`: the fields of a batch the client's loss reads (the DataModule's, so the
+        cache computes exactly what the on-the-fly path computes); the build runs on the pipeline's device."""
         self.path, self.pipeline, self.updates = Path(path), pipeline, updates
-        self.key = cache_key(pipeline, updates)
+        self.client_batch = client_batch or (lambda batch: {k: v for k, v in batch.items() if k in pipeline.loss.fields})
+        self.key = json.loads(json.dumps(cache_key(pipeline, updates)))  # as it reads back from meta.json
         self.noise_sigma = cached_defense(pipeline)[1]
         meta = self.path / "meta.json"
         if self.path.exists():
-            if not meta.is_file():
+            if not meta.is_file() and rebuild:
+                shutil.rmtree(self.path)
+            elif not meta.is_file():
                 raise ValueError(f"observation cache {str(self.path)!r} exists but is not a complete cache (no meta.json); remove it or choose another path")
+        if meta.is_file():
             difference = key_difference(json.loads(meta.read_text())["key"], self.key)
             if difference is not None and not rebuild:
                 raise ValueError(f"observation cache {str(self.path)!r} was built for other observations ({difference}); "
@@ -119,8 +142,9 @@ class ObservationCache:
         free = shutil.disk_usage(self.path.parent).free
         if needed > free:
             raise ValueError(f"observation cache needs {needed / 1e9:.1f} GB at {str(self.path.parent)!r}, only {free / 1e9:.1f} GB free")
+        for stale in self.path.parent.glob(f"{self.path.name}.partial-*"):  # left by a killed build
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = self.path.with_name(f"{self.path.name}.partial-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
             features = np.lib.format.open_memmap(tmp / "features.npy", mode="w+", dtype=np.float16, shape=(rows, bins))
@@ -150,11 +174,12 @@ class ObservationCache:
             shutil.rmtree(tmp, ignore_errors=True)
 
     def _observe(self, batch: dict, defense, seed: int) -> Tensor:
-        fields = {name: value for name, value in batch.items() if name in self.pipeline.loss.fields}
+        device = self.pipeline.hasher.bins.device
+        fields = {name: value.to(device) for name, value in self.client_batch(batch).items()}
         saved = self.pipeline.defense
         self.pipeline.defense = defense
         try:
-            with torch.random.fork_rng(devices=[]):
+            with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
                 torch.manual_seed(seed)
                 return self.pipeline(fields).features.float().cpu()
         finally:

@@ -81,7 +81,9 @@ class TextInversionDataModule(InversionDataModule):
                 updates of `client.samples_per_update`) (None: all; paper: 1000).
             pseudo_batches_per_epoch: LTI-P batches per epoch (default: as many as auxiliary batches).
             keep_eval_updates: Put the defended update into evaluation batches (needed by exact attacks).
-            num_workers: DataLoader workers (the update computation itself runs in the main process).
+            num_workers: DataLoader workers of the evaluation loaders (training batches are an index or a
+                draw made in the main process, so that a resumed run continues exactly; the update
+                computation runs in the main process too).
             seed: Seed of the sample grouping and of the pseudo-data draws.
             observation_cache: Folder of cached training observations (LTI on auxiliary data with a
                 deterministic client; no defense, sign, pruning or Gaussian noise): the hashed

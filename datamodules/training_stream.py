@@ -5,8 +5,10 @@ auxiliary updates come in an epoch-seeded permutation (epoch = t // batches per 
 is drawn from a generator seeded by t. A stream starts at the position its `position()` callable
 returns when iteration begins (the trainer's restored step on a resumed run), so a run stopped at
 step n and resumed sees exactly the batches n, n+1, ... of the uninterrupted run: no loader state
-has to be saved, and the one-batch prefetch of the training loop cannot shift it. Loader workers
-(forked when iteration begins) share the steps round-robin.
+has to be saved, and the one-batch prefetch of the training loop cannot shift it. Every batch
+carries its `step`, from which the consumer seeds whatever it draws for the batch (noise, negatives).
+Streams run in the loading process (`num_workers=0`): a worker forked before a resumed run restores
+its step would start from 0, and a batch is a cheap index or draw.
 
 With DDP, rank r of w takes the r-th of w disjoint slices of each permutation (auxiliary data) or
 its own generator stream (pseudo-data). Plain PyTorch.
@@ -26,8 +28,12 @@ from datamodules.client_updates import ClientUpdates
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio odd constant: spreads nearby (seed, step) pairs apart
 
 
+#: Salts: one per kind of draw, always the first part of a seed, so no two kinds share a generator.
+EPOCH_ORDER, PSEUDO_DATA, OBSERVATION, EVALUATION, NEGATIVES, CACHED_NOISE = range(1, 7)
+
+
 def step_seed(*parts: int) -> int:
-    """A 63-bit seed from integers (seed, salt, rank, step, ...), different for any change of one part."""
+    """A 63-bit seed from integers (salt, seed, rank, step, ...), different for any change of one part."""
     value = 0
     for part in parts:
         value = ((value ^ (int(part) & 0xFFFFFFFFFFFFFFFF)) * _MIX + 0x632BE59BD9B4E019) & 0xFFFFFFFFFFFFFFFF
@@ -54,14 +60,12 @@ class TrainingStream(IterableDataset, ABC):
         return self.batches_per_epoch
 
     def __iter__(self):
-        # Loader workers take every n-th step; the DataLoader reads them round-robin, so the stream
-        # keeps its order whatever the number of workers.
-        worker = torch.utils.data.get_worker_info()
-        offset, stride = (0, 1) if worker is None else (worker.id, worker.num_workers)
-        start = self.position()
+        if torch.utils.data.get_worker_info() is not None:
+            raise RuntimeError("a training stream runs in the loading process: use it with num_workers=0")
+        start = self.position()  # read when the first batch is asked for: after a resumed run's restore
         end = (start // self.batches_per_epoch + 1) * self.batches_per_epoch  # to the end of this epoch
-        for step in range(start + offset, end, stride):
-            yield self.batch(step)
+        for step in range(start, end):
+            yield {**self.batch(step), "step": torch.tensor(step)}
 
     @abstractmethod
     def batch(self, step: int) -> dict[str, Tensor]:
@@ -86,7 +90,7 @@ class AuxiliaryStream(TrainingStream):
 
     def permutation(self, epoch: int) -> Tensor:
         if self._permutation is None or self._permutation[0] != epoch:
-            order = torch.randperm(len(self.updates), generator=step_generator(self.seed, 1, epoch))
+            order = torch.randperm(len(self.updates), generator=step_generator(EPOCH_ORDER, self.seed, epoch))
             self._permutation = (epoch, order)
         return self._permutation[1]
 
@@ -96,7 +100,7 @@ class AuxiliaryStream(TrainingStream):
         index = self.permutation(epoch)[start : start + self.batch_size]
         batch = {**{name: value[index] for name, value in self.updates.fields.items()}, "index": index}
         if self.features is not None:
-            batch["features"] = self.features(index, step_generator(self.seed, 6, self.rank, step))
+            batch["features"] = self.features(index, step_generator(CACHED_NOISE, self.seed, self.rank, step))
         return batch
 
 
@@ -110,4 +114,4 @@ class SampledStream(TrainingStream):
         self.draw = draw
 
     def batch(self, step: int) -> dict[str, Tensor]:
-        return self.draw(step_generator(self.seed, 2, self.rank, step))
+        return self.draw(step_generator(PSEUDO_DATA, self.seed, self.rank, step))

@@ -74,7 +74,9 @@ class ImageInversionDataModule(InversionDataModule):
             train_samples: Use at most this many auxiliary (training-split) samples (None: all).
             eval_samples: Evaluate on the first this many held-out samples (None: all).
             keep_eval_updates: Put the defended update into evaluation batches (needed by exact attacks).
-            num_workers: DataLoader workers (the update computation itself runs in the main process).
+            num_workers: DataLoader workers of the evaluation loaders (training batches are an index or a
+                draw made in the main process, so that a resumed run continues exactly; the update
+                computation runs in the main process too).
             seed: Seed of the grouping of auxiliary samples into updates.
             observation_cache: Folder of cached training observations (deterministic client; no
                 defense, sign, pruning or Gaussian noise), computed once and read from disk every

@@ -26,10 +26,12 @@ class InverterLoss:
 
     With `negatives = n` a training step scores only a candidate set: the tokens of the batch's
     targets plus `n` token ids drawn uniformly from the vocabulary (the same set for every
-    position, so the head is one (U*P, w) x (w, |C|) product instead of x (w, V)). Targets are
-    always candidates. Uniform draws give every non-target token the same chance to be pushed
-    down, so no log-probability correction is applied; evaluation always uses the full softmax.
-    `negatives = None` (default) is the full softmax.
+    position, so the head is one (U*P, w) x (w, |C|) product instead of x (w, V)). No
+    log-probability correction is applied, so the estimate is biased: a batch's own tokens are
+    always competitors, any other token only with probability about n / V, so rare tokens are
+    pushed down less often than under the full softmax. Evaluation always scores every token, and
+    the learning curves measure the net effect (docs/paper_reproduction.md). `negatives = None`
+    (default) is the full softmax.
     """
 
     def __init__(self, negatives: int | None = None) -> None:

@@ -20,7 +20,7 @@ from lti.inverters import EmbeddingInverter, Inverter
 from datamodules.registry import materialize
 from datamodules.metrics import RougeScores, TokenAccuracy, rouge_f, token_accuracy
 from lti.loss import InverterLoss
-from datamodules.training_stream import step_generator
+from datamodules.training_stream import NEGATIVES, step_generator
 
 STAGES = ("train", "val", "test")
 
@@ -124,7 +124,7 @@ class InversionModule(LearnedInversionModule):
             lr: Adam learning rate (paper: per defense from {1e-3, 1e-4, 1e-5}).
             weight_decay: Adam weight decay.
             scheduler: `constant`, `cosine` decay to 0, or `halfway_drop` (the LTI paper's: lr / 10 from
-                half of the training on), over `trainer.max_steps` (or the estimated steps).
+                half of the steps after warm-up on), over `trainer.max_steps` (or the estimated steps).
             warmup_steps: Linear warm-up steps.
             negatives: Sampled softmax in training: score the batch's target tokens plus this many
                 uniformly drawn token ids instead of the whole vocabulary (a few times cheaper per
@@ -158,7 +158,10 @@ class InversionModule(LearnedInversionModule):
         mask = batch["attention_mask"].reshape(updates, -1)
         training = stage == "train"
         # Negatives of the sampled softmax are drawn from the step, so a resumed run draws the same.
-        generator = step_generator(5, self.global_rank, self.global_step) if training and self.loss.negatives else None
+        generator = None
+        if training and self.loss.negatives:
+            step = int(batch["step"]) if "step" in batch else self.global_step
+            generator = step_generator(NEGATIVES, getattr(self.data, "seed", 0), self.global_rank, step)
         loss, logits = self.loss(self.inverter, features, targets, mask, training=training, generator=generator)
         self.log(f"{stage}/loss", loss, prog_bar=True, sync_dist=stage != "train", batch_size=updates)
         if logits is None:  # sampled softmax: no full scores, so no training accuracy

@@ -13,9 +13,10 @@ from datamodules.text import LocalCorpus
 from datamodules.text_inversion import TextInversionDataModule
 
 
-def _datamodule(corpus_files, cache=None, defense=None, dropout=0.0, **kwargs):
+def _datamodule(corpus_files, cache=None, defense=None, dropout=0.0, causal=False, **kwargs):
     torch.manual_seed(0)
-    target = Transformer3(hidden_size=16, num_heads=2, ffn_size=32, num_layers=1, max_positions=8, dropout=dropout)
+    target = Transformer3(hidden_size=16, num_heads=2, ffn_size=32, num_layers=1, max_positions=8, dropout=dropout,
+                          causal=causal)
     corpus = LocalCorpus([str(corpus_files["auxiliary"])], [str(corpus_files["evaluation"])])
     dm = TextInversionDataModule(target=target, corpus=corpus, seq_len=8, batch_size=4, defense=defense or NoDefense(),
                                  observation_cache=str(cache) if cache else None, **kwargs)
@@ -40,30 +41,49 @@ def test_cached_batches_equal_on_the_fly_batches_to_float16_rounding(corpus_file
 
 
 def test_cached_gaussian_noise_is_fresh_and_has_the_per_coordinate_variance(corpus_files, tmp_path):
-    sigma = 0.05
+    sigma, steps = 0.05, range(10)
     clean = _datamodule(corpus_files)
     noisy_fly = _datamodule(corpus_files, defense=GaussianNoise(sigma))
     dm = _datamodule(corpus_files, tmp_path / "cache", defense=GaussianNoise(sigma))
     counts = torch.bincount(dm.pipeline.hasher.bins, minlength=dm.pipeline.spec.num_bins).float()
-    std = sigma * counts.sqrt()
     used = counts > 0
+    std = sigma * counts.sqrt()
     stream = dm.train_dataloader().dataset
-    epoch = stream.batches_per_epoch
-    base = clean.on_after_batch_transfer(clean.train_dataloader().dataset.batch(0), 0)["features"]
-    first, again = stream.batch(0)["features"], stream.batch(0)["features"]
-    assert torch.equal(first, again)  # a step's noise is reproducible (exact resume)
-    z_cached = ((first - base) / std)[:, used]
+
+    def features(module, step):
+        return module.on_after_batch_transfer(module.train_dataloader().dataset.batch(step), 0)["features"]
+
+    base = torch.cat([features(clean, s) for s in steps])
+    cached = torch.cat([stream.batch(s)["features"] for s in steps])
+    assert torch.equal(stream.batch(3)["features"], stream.batch(3)["features"])  # a step's noise is reproducible
     # On the fly: noise per raw coordinate, then hashed. Same distribution, standardized the same way.
-    fly = noisy_fly.on_after_batch_transfer(noisy_fly.train_dataloader().dataset.batch(0), 0)["features"]
-    z_fly = ((fly - base) / std)[:, used]
-    for z in (z_cached, z_fly):
+    fly = torch.cat([features(noisy_fly, s) for s in steps])
+    for noisy in (cached, fly):
+        z = ((noisy - base) / std)[:, used]
         assert abs(z.mean().item()) < 0.05 and abs(z.std().item() - 1.0) < 0.05
+        # Per bin the variance grows with the coordinates hashed into it: check it on the bins with
+        # few and with many coordinates separately (one noise scale for every bin fails here).
+        noise, per_bin = (noisy - base)[:, used], counts[used]
+        for group in (per_bin <= per_bin.median(), per_bin > per_bin.median()):
+            expected = (sigma**2 * per_bin[group]).mean().item()
+            assert abs(noise[:, group].pow(2).mean().item() / expected - 1.0) < 0.1
     # The same update in the next epoch gets new noise.
-    index = stream.batch(0)["index"]
-    later = next(stream.batch(s) for s in range(epoch, 2 * epoch) if set(stream.batch(s)["index"].tolist()) & set(index.tolist()))
-    row = later["index"].tolist().index(next(i for i in later["index"].tolist() if i in index.tolist()))
-    row0 = index.tolist().index(later["index"][row].item())
-    assert not torch.allclose(later["features"][row], first[row0])
+    epoch = stream.batches_per_epoch
+    first = stream.batch(0)
+    row0, update = 0, int(first["index"][0])
+    later = next(stream.batch(s) for s in range(epoch, 2 * epoch) if update in stream.batch(s)["index"].tolist())
+    row = later["index"].tolist().index(update)
+    assert not torch.allclose(later["features"][row], first["features"][row0])
+
+
+def test_a_matching_cache_is_reopened_not_rebuilt(corpus_files, tmp_path):
+    cache = tmp_path / "cache"
+    first = _first_batches(_datamodule(corpus_files, cache))
+    built = (cache / "features.npy").stat().st_mtime_ns
+    again = _first_batches(_datamodule(corpus_files, cache))
+    assert (cache / "features.npy").stat().st_mtime_ns == built
+    for a, b in zip(first, again):
+        assert torch.equal(a["features"], b["features"])
 
 
 def test_a_cache_for_other_observations_is_refused_naming_the_difference_and_rebuilt_on_request(corpus_files, tmp_path):
@@ -76,6 +96,9 @@ def test_a_cache_for_other_observations_is_refused_naming_the_difference_and_reb
         _datamodule(corpus_files, cache, hash_seed=1).train_dataloader()
     with pytest.raises(ValueError, match=r"\(auxiliary samples"):
         _datamodule(corpus_files, cache, seed=1).train_dataloader()
+    # Same weights, other computation (a causal mask): still another observation.
+    with pytest.raises(ValueError, match=r"\(target model settings"):
+        _datamodule(corpus_files, cache, causal=True).train_dataloader()
     _datamodule(corpus_files, cache, defense=Sign(), rebuild_observation_cache=True).train_dataloader()
     assert json.loads((cache / "meta.json").read_text())["key"]["defense"]["name"] == "sign"
 

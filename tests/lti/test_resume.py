@@ -10,7 +10,7 @@ from lti.cli import main
 
 from conftest import tiny_config
 
-N = 3  # steps before the interruption; the tiny corpus has 4 batches per epoch, so 2N crosses an epoch
+N = 3  # steps before the interruption; 16 auxiliary blocks = 4 batches per epoch, so 2N crosses an epoch
 
 
 def _fit(tmp_path, corpus_files, name, steps, ckpt=None, **overrides):
@@ -18,7 +18,8 @@ def _fit(tmp_path, corpus_files, name, steps, ckpt=None, **overrides):
     folder.mkdir(exist_ok=True)
     config = tiny_config(folder, corpus_files, **{
         "trainer.max_steps": steps, "trainer.val_check_interval": N, "trainer.check_val_every_n_epoch": None,
-        "checkpoint.every_n_train_steps": N, "curve.path": str(folder / "curve.csv"), **overrides,
+        "checkpoint.every_n_train_steps": N, "curve.path": str(folder / "curve.csv"), "data.train_samples": 16,
+        "data.pseudo_batches_per_epoch": 4, **overrides,
     })
     main(["fit", "--config", str(config)] + (["--ckpt_path", str(ckpt)] if ckpt else []))
     return folder
@@ -47,7 +48,7 @@ def test_resumed_run_ends_where_the_uninterrupted_run_ends(tmp_path, corpus_file
     a, b = _weights(whole), _weights(resumed)
     assert a.keys() == b.keys()
     for key in a:
-        assert torch.allclose(a[key], b[key], atol=1e-6, rtol=1e-5), key
+        assert torch.equal(a[key], b[key]), key  # bitwise
     # The learning curve goes on in the same file: one row per validation, steps N and 2N.
     rows = list(csv.DictReader((resumed / "curve.csv").open()))
     assert [int(r["step"]) for r in rows] == [N, 2 * N]
@@ -56,20 +57,30 @@ def test_resumed_run_ends_where_the_uninterrupted_run_ends(tmp_path, corpus_file
     assert float(rows[-1]["wall_minutes"]) >= float(rows[0]["wall_minutes"])
 
 
-def test_a_run_without_resume_differs_after_the_interruption(tmp_path, corpus_files):
-    # The check above can fail: a second run from scratch to 2N with another seed ends elsewhere.
+def test_a_resume_that_restarts_the_data_stream_is_caught(tmp_path, corpus_files, monkeypatch):
+    # The check above can fail: resuming with the stream restarted at step 0 (what a loader without
+    # step-indexed batches does) ends elsewhere.
+    from datamodules.inversion_data import InversionDataModule
+
     whole = _fit(tmp_path, corpus_files, "whole", 2 * N)
-    other = _fit(tmp_path, corpus_files, "other", 2 * N, **{"data.seed": 1})
-    a, b = _weights(whole), _weights(other)
-    assert any(not torch.allclose(a[k], b[k], atol=1e-6, rtol=1e-5) for k in a)
+    half = _fit(tmp_path, corpus_files, "half", N)
+    monkeypatch.setattr(InversionDataModule, "training_position", lambda self: 0)
+    resumed = _fit(tmp_path, corpus_files, "half", 2 * N, ckpt=half / "ckpt" / "last.ckpt")
+    a, b = _weights(whole), _weights(resumed)
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+
+
+def test_gradient_accumulation_is_refused_in_one_line(tmp_path, corpus_files, capsys):
+    with pytest.raises(SystemExit):
+        _fit(tmp_path, corpus_files, "acc", 2, **{"trainer.accumulate_grad_batches": 2})
+    assert "accumulate_grad_batches must be 1" in capsys.readouterr().err
 
 
 def test_curve_rows_after_the_resumed_step_are_dropped(tmp_path, corpus_files):
     folder = _fit(tmp_path, corpus_files, "run", 2 * N, **{"checkpoint.save_top_k": -1})
-    # Resume from the step-N checkpoint: the interrupted run's row for 2N is replaced, not doubled.
-    first = sorted((folder / "ckpt").glob("step*.ckpt"))
-    assert first, "no step checkpoint was written"
-    step_n = [p for p in first if p.stem == f"step{N}"]
-    _fit(tmp_path, corpus_files, "run", 2 * N, ckpt=step_n[0], **{"checkpoint.save_top_k": -1})
+    assert [int(r["step"]) for r in csv.DictReader((folder / "curve.csv").open())] == [N, 2 * N]
+    # Resume from the step-N checkpoint and stop before the next validation: the interrupted run's
+    # row for 2N (written after that checkpoint) is gone, the row for N stays.
+    _fit(tmp_path, corpus_files, "run", N + 1, ckpt=folder / "ckpt" / f"step{N}.ckpt", **{"checkpoint.save_top_k": -1})
     rows = list(csv.DictReader((folder / "curve.csv").open()))
-    assert [int(r["step"]) for r in rows] == [N, 2 * N]
+    assert [int(r["step"]) for r in rows] == [N]
