@@ -24,6 +24,14 @@ from datamodules.training_stream import NEGATIVES, step_generator
 
 STAGES = ("train", "val", "test")
 
+#: Sizes of the inversion problem that fix an inverter's shapes: (what it is, how to match it).
+PROBLEM_SIZES = {
+    "num_positions": ("positions per update (sequence length x sequences per update)",
+                      "use the checkpoint's data.seq_len and data.client samples_per_update"),
+    "vocab_size": ("a vocabulary of", "use the checkpoint's target model and tokenizer"),
+    "num_features": ("hashed features", "use the checkpoint's hash settings"),
+}
+
 #: Learning-rate factor as a function of training progress in [0, 1] (after warm-up).
 SCHEDULES = {
     "constant": lambda progress: 1.0,
@@ -76,7 +84,13 @@ class LearnedInversionModule(LightningModule):
 
     # ---------------------------------------------------------------- checkpoints carry the threat model
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["lti"] = {"hash_spec": self.data.pipeline.spec.to_dict(), "setting": self.data.describe()}
+        checkpoint["lti"] = {"hash_spec": self.data.pipeline.spec.to_dict(), "setting": self.data.describe(),
+                             "problem": self._problem()}
+
+    def _problem(self) -> dict:
+        """The data-side sizes that fix the inverter's shapes."""
+        spec = getattr(self.data, "inversion_spec", None)  # image/table data: the state dict's shapes say it
+        return {name: getattr(spec, name) for name in PROBLEM_SIZES if hasattr(spec, name)}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         from datamodules.federated.hashing import HashSpec
@@ -87,6 +101,16 @@ class LearnedInversionModule(LightningModule):
         difference = self.data.pipeline.spec.difference(HashSpec.from_dict(saved))
         if difference is not None:
             raise ValueError(f"checkpoint was trained on other observed updates ({difference}); use the same target, observed parameters and hash settings")
+        problem, now = checkpoint["lti"].get("problem", {}), self._problem()
+        for name, (label, fix) in PROBLEM_SIZES.items():
+            if name in problem and name in now and problem[name] != now[name]:
+                raise ValueError(f"checkpoint was trained for {label} {problem[name]}, this run has {now[name]}; {fix}")
+        mine = self.state_dict()
+        for name, tensor in checkpoint.get("state_dict", {}).items():
+            if name in mine and tuple(mine[name].shape) != tuple(tensor.shape):
+                raise ValueError(f"checkpoint's {name} has shape {tuple(tensor.shape)}, this model's {tuple(mine[name].shape)}: "
+                                 "use the checkpoint's model.inverter settings (hidden sizes)")
+        self.trained_under = checkpoint["lti"].get("setting")
 
     # ---------------------------------------------------------------- one step for all stages
     def _step(self, batch: dict, stage: str) -> Tensor:

@@ -38,6 +38,21 @@ def format_metrics(metrics: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
+#: Parts of the threat model an inverter is trained for; evaluating under others is a transfer experiment.
+TRAINED_FOR = ("defense", "client")
+
+
+def trained_elsewhere(trained: dict | None, setting: dict) -> dict:
+    """{part: what the checkpoint was trained under} for the parts of `setting` that differ."""
+    if not trained:
+        return {}
+    return {part: trained[part] for part in TRAINED_FOR if part in trained and part in setting and trained[part] != setting[part]}
+
+
+def describe_mismatch(mismatch: dict) -> str:
+    return ", ".join(f"{part} {value.get('name', value) if isinstance(value, dict) else value}" for part, value in mismatch.items())
+
+
 class ResultsWriter(Callback):
     def __init__(self, table_rows: int = 10, print_table: bool = True) -> None:
         """
@@ -47,6 +62,7 @@ class ResultsWriter(Callback):
         """
         self.table_rows, self.print_table = table_rows, print_table
         self._predictions: list[dict] = []
+        self._said_mismatch = False
 
     def _write(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         samples = sorted(_gather(getattr(pl_module, "samples", [])), key=lambda r: r.get("index", 0))
@@ -55,6 +71,14 @@ class ResultsWriter(Callback):
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(f"{stage}/")}
         root = Path(trainer.default_root_dir)
         setting = trainer.datamodule.describe() if hasattr(trainer.datamodule, "describe") else {}
+        mismatch = trained_elsewhere(getattr(pl_module, "trained_under", None), setting)
+        if mismatch:
+            setting["trained_under"] = mismatch
+            if not self._said_mismatch:
+                # A non-adaptive attacker is a real experiment: allowed, but said once and recorded.
+                print(f"lti: note: the inverter was trained under {describe_mismatch(mismatch)}; "
+                      f"it is evaluated under this run's {', '.join(mismatch)}")
+                self._said_mismatch = True
         payload = {"stage": stage, "metrics": metrics, "num_updates": len(samples), "setting": setting,
                    "global_step": trainer.global_step}
         _write_atomic(root / f"{stage}_metrics.json", json.dumps(payload, indent=2) + "\n")

@@ -189,3 +189,35 @@ def test_paper_configs_are_the_papers_schedule_with_its_learning_rate_per_defens
         assert data["training_data"] == ("pseudo" if attack == "lti_p" else "auxiliary")
         if attack == "lti_p":
             assert data["pseudo_batches_per_epoch"] == 180_135 // 64
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--data.seq_len", "4"], "lti: error: checkpoint was trained for positions per update (sequence length x sequences per update) 8, "
+                              "this run has 4; use the checkpoint's data.seq_len and data.client samples_per_update"),
+    (["--model.inverter.init_args.hidden", "16"], "lti: error: checkpoint's inverter.trunk.0.weight has shape (32, "),
+])
+def test_a_checkpoint_for_other_inverter_shapes_is_one_line_and_writes_nothing(make_config, tmp_path, capsys, args, message):
+    config = make_config(**{"trainer.max_steps": 1, "trainer.limit_val_batches": 0})
+    main(["fit", "--config", str(config)])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["test", "--config", str(config), "--ckpt_path", str(tmp_path / "ckpt" / "last.ckpt"), *args])
+    assert exit_info.value.code == 2
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if line.startswith("lti:")]
+    assert len(err) == 1 and err[0].startswith(message)
+    assert not (tmp_path / "run" / "test_metrics.json").exists()
+
+
+def test_testing_under_another_defense_than_trained_is_said_once_and_recorded(make_config, tmp_path, capsys):
+    config = make_config(**{"trainer.max_steps": 1, "trainer.limit_val_batches": 0})
+    main(["fit", "--config", str(config)])
+    main(["test", "--config", str(config), "--ckpt_path", str(tmp_path / "ckpt" / "last.ckpt"),
+          "--data.defense", "datamodules.federated.Sign"])
+    out = capsys.readouterr().out
+    assert out.count("lti: note: the inverter was trained under defense none; it is evaluated under this run's defense") == 1
+    setting = _metrics(tmp_path / "run", "test")["setting"]
+    assert setting["defense"] == {"name": "sign"} and setting["trained_under"] == {"defense": {"name": "none"}}
+    # Same threat model: nothing to say, nothing recorded.
+    main(["test", "--config", str(config), "--ckpt_path", str(tmp_path / "ckpt" / "last.ckpt")])
+    assert "lti: note" not in capsys.readouterr().out
+    assert "trained_under" not in _metrics(tmp_path / "run", "test")["setting"]
