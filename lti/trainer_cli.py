@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import difflib
+import warnings
+import importlib
+import inspect
+import re
+
+from jsonargparse import ArgumentError
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
@@ -50,13 +57,69 @@ def trainer_defaults() -> dict:
 
 
 # Bad input surfaces as one of these; the CLI prints one line instead of a traceback
-# (set LTI_DEBUG=1 to see the traceback).
-USER_ERRORS = (ValueError, FileNotFoundError, ModuleNotFoundError, FloatingPointError)
+# (set LTI_DEBUG=1 to see the traceback). Parse errors (typos, bad values) are jsonargparse's
+# ArgumentError: the parser raises it instead of printing its whole usage (exit_on_error=False).
+USER_ERRORS = (ValueError, FileNotFoundError, ModuleNotFoundError, FloatingPointError, ArgumentError)
+
+#: The top-level options of `lti fit|validate|test|predict`, for "did you mean" on a top-level typo.
+TOP_LEVEL = ("seed_everything", "trainer", "model", "data", "optimizer", "lr_scheduler", "ckpt_path", "weights_only",
+             "checkpoint", "results", "curve", "config", "print_config")
+
+
+def _accepted_options(class_path: str | None) -> list[str]:
+    if not class_path:
+        return list(TOP_LEVEL)
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+        return [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "args", "kwargs")]
+    except (ImportError, AttributeError, ValueError, TypeError):
+        return []
+
+
+def parse_error_message(message: str) -> str:
+    """jsonargparse's nested report of a bad option or value -> one line naming the dotted option.
+
+    The report nests `Parser key "k":` and `Problem with given class_path 'C':` lines per level and
+    lists the alternatives of a Union (`- Expected a <class 'NoneType'>`), which are skipped."""
+    if match := re.match(r"unrecognized arguments: --([\w.]+)", message):
+        *keys, option = match.group(1).split(".")
+        owner = {(): None, ("trainer",): "lightning.pytorch.Trainer", ("checkpoint",): "lightning.pytorch.callbacks.ModelCheckpoint",
+                 ("curve",): "lti.curves.LearningCurve", ("results",): "lti.results.ResultsWriter"}.get(tuple(keys), "?")
+        close = difflib.get_close_matches(option, _accepted_options(owner) if owner != "?" else [], n=1)
+        hint = f" (did you mean '{'.'.join([*keys, close[0]])}'?)" if close else ""
+        return f"unknown option '{match.group(1)}'{hint}; `lti fit --help` lists every option"
+    keys: list[str] = []
+    class_path = None
+    detail = None
+    for raw in message.splitlines():
+        line = raw.strip().removeprefix("- ").strip()
+        if not line or line.startswith("Expected a <class 'NoneType'>"):
+            if line:
+                break
+            continue
+        if match := re.fullmatch(r'Parser key "([^"]+)":', line):
+            keys.append(match.group(1))
+        elif match := re.fullmatch(r"Problem with given class_path '([^']+)':", line):
+            class_path = match.group(1)
+        elif match := re.fullmatch(r"Option '([^']+)' is not accepted", line):
+            option = match.group(1)
+            dotted = ".".join([*keys, option])
+            close = difflib.get_close_matches(option, _accepted_options(class_path), n=1)
+            hint = f" (did you mean '{'.'.join([*keys, close[0]])}'?)" if close else ""
+            return f"unknown option '{dotted}'{hint}; `lti fit --help` lists every option"
+        elif not line.startswith(("Does not validate against any of", "Subtypes:", "Errors:", "Given value")):
+            detail = detail or line
+    if keys and detail:
+        return f"bad value for '{'.'.join(keys)}': {detail}"
+    return message.strip().splitlines()[0] if message.strip() else "invalid arguments"
 
 
 def user_message(error: BaseException) -> str:
     """The message of the error the user caused: jsonargparse wraps errors raised while it instantiates a
     `class_path` (subclass mode) in a multi-line "Does not validate ..." report; unwrap to the original."""
+    if isinstance(error, ArgumentError):
+        return parse_error_message(str(error))
     while str(error).startswith("Does not validate against any of the Union subtypes"):
         inner = error.__cause__ or error.__context__
         if not isinstance(inner, USER_ERRORS):
@@ -66,6 +129,8 @@ def user_message(error: BaseException) -> str:
 
 
 def run(args: list[str] | None = None) -> None:
+    # `lti` hands the CLI its arguments explicitly; Lightning's warning about also seeing sys.argv is noise.
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within Python")
     LTICLI(
         LightningModule,
         LightningDataModule,
@@ -74,6 +139,6 @@ def run(args: list[str] | None = None) -> None:
         trainer_defaults=trainer_defaults(),
         save_config_kwargs={"overwrite": True},
         args=args,
-        parser_kwargs={"default_env": False},
+        parser_kwargs={"default_env": False, "exit_on_error": False},
     )
 

@@ -221,3 +221,35 @@ def test_testing_under_another_defense_than_trained_is_said_once_and_recorded(ma
     main(["test", "--config", str(config), "--ckpt_path", str(tmp_path / "ckpt" / "last.ckpt")])
     assert "lti: note" not in capsys.readouterr().out
     assert "trained_under" not in _metrics(tmp_path / "run", "test")["setting"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--data.hash_fracton", "0.1"], "lti: error: unknown option 'data.hash_fracton' (did you mean 'data.hash_fraction'?)"),
+    (["--model.inverter.init_args.hiden", "8"], "lti: error: unknown option 'model.inverter.hiden' (did you mean 'model.inverter.hidden'?)"),
+    (["--seed_everythng", "1"], "lti: error: unknown option 'seed_everythng' (did you mean 'seed_everything'?)"),
+    (["--data.batch_size", "abc"], "lti: error: bad value for 'data.batch_size': Expected a <class 'int'>. Got value: abc"),
+])
+def test_config_typos_and_bad_values_are_one_line_without_the_usage_dump(make_config, tmp_path, capsys, args, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(make_config()), *args])
+    assert exit_info.value.code == 2
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith(message), err
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_typo_in_a_yaml_file_is_one_line_too(make_config, tmp_path, capsys):
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("data:\n  hash_fracton: 0.2\n")
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(make_config()), "--config", str(typo)])
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if line.strip()]
+    assert err == ["lti: error: unknown option 'data.hash_fracton' (did you mean 'data.hash_fraction'?); "
+                   "`lti fit --help` lists every option"]
+
+
+def test_a_trainer_option_typo_gets_a_suggestion(make_config, capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(make_config()), "--trainer.max_stepz", "3"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("lti: error: unknown option 'trainer.max_stepz' (did you mean 'trainer.max_steps'?)")
