@@ -106,7 +106,8 @@ class LocalCorpus(TextCorpus):
         Args:
             auxiliary_files: Files the server trains on.
             evaluation_files: Files standing in for client data. If empty, `eval_fraction` of the
-                auxiliary rows (lines) is held out instead.
+                auxiliary rows (lines) is held out instead. Given without `auxiliary_files` but with
+                `auxiliary_corpora`, they are all client data and the server's data is those corpora's.
             format: `text` (one row per line) or `tsv` (tab-separated with a header row).
             text_column: Column with the text for `tsv`.
             eval_fraction: Held-out fraction when no evaluation files are given.
@@ -118,7 +119,8 @@ class LocalCorpus(TextCorpus):
         """
         files = list(auxiliary_files) + list(evaluation_files)
         if not files:
-            raise ValueError("LocalCorpus needs at least one file in auxiliary_files or evaluation_files")
+            raise ValueError("LocalCorpus needs at least one file: pass --data.corpus.init_args.evaluation_files '[FILE]' "
+                             "(and auxiliary_files, unless auxiliary_corpora supply the server's data)")
         for f in files:
             if not Path(f).is_file():
                 raise FileNotFoundError(f"corpus file {f!r} does not exist")
@@ -155,6 +157,10 @@ class LocalCorpus(TextCorpus):
     def load(self):
         from datasets import DatasetDict, concatenate_datasets
 
+        if self.evaluation_files and not self.auxiliary_files and self.auxiliary_corpora:
+            # The server's data comes from the further corpora only; the files are all client data.
+            extra = [corpus.load()["auxiliary"].select_columns(["text"]) for corpus in self.auxiliary_corpora]
+            return DatasetDict(auxiliary=concatenate_datasets(extra), evaluation=self._load_files(self.evaluation_files))
         if self.auxiliary_files and self.evaluation_files:
             splits = DatasetDict(
                 auxiliary=self._load_files(self.auxiliary_files), evaluation=self._load_files(self.evaluation_files)

@@ -162,3 +162,11 @@ def test_local_corpus_adds_the_auxiliary_split_of_further_corpora(corpus_files, 
     splits = corpus.load()
     assert list(splits["auxiliary"]["text"]) == list(base["auxiliary"]["text"]) + ["An extra auxiliary paragraph about hashed gradients."]
     assert list(splits["evaluation"]["text"]) == list(base["evaluation"]["text"])  # the further corpus' evaluation split is unused
+
+
+def test_local_evaluation_files_with_auxiliary_corpora_are_all_client_data(corpus_files):
+    corpus = LocalCorpus(evaluation_files=[str(corpus_files["evaluation"])],
+                         auxiliary_corpora=[LocalCorpus([str(corpus_files["auxiliary"])], [str(corpus_files["auxiliary"])])])
+    splits = corpus.load()
+    assert len(splits["evaluation"]) == 12 and list(splits["evaluation"]["text"])[0].startswith("Held out line 0")
+    assert not any(t.startswith("Held out") for t in splits["auxiliary"]["text"])

@@ -253,3 +253,17 @@ def test_a_trainer_option_typo_gets_a_suggestion(make_config, capsys):
         main(["fit", "--config", str(make_config()), "--trainer.max_stepz", "3"])
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("lti: error: unknown option 'trainer.max_stepz' (did you mean 'trainer.max_steps'?)")
+
+
+def test_shipped_configs_hold_no_paths_outside_the_repository():
+    for path in (REPO / "configs").rglob("*.yaml"):
+        body = "\n".join(line.split("#", 1)[0] for line in path.read_text().splitlines())  # comments may show examples
+        assert "../" not in body and "/work/" not in body and "/home/" not in body, path
+
+
+def test_a_sentences_config_without_its_file_says_which_option_to_pass(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["validate", "--config", str(REPO / "configs/exact/dager_gpt2_sentences.yaml")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("lti: error: LocalCorpus needs at least one file: pass --data.corpus.init_args.evaluation_files")
