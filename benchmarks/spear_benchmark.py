@@ -179,16 +179,24 @@ def main(argv=None):
     parser.add_argument("--out", type=Path, default=None, help="append a markdown table here")
     args = parser.parse_args(argv)
     attack = Spear(max_samples=args.max_samples, max_seconds=args.max_seconds, seed=args.seed)
-    rows = []
+    rows, skipped = [], []
     for spec in args.rows:
         name, _, size = spec.partition(":")
         start = time.perf_counter()
-        if name == "transformer3":
-            label, batch, records = text_row(args, attack, int(size or 1))
-        else:
-            label, batch, records = vision_row(args, attack, name, int(size or 20))
+        try:
+            if name == "transformer3":
+                label, batch, records = text_row(args, attack, int(size or 1))
+            else:
+                label, batch, records = vision_row(args, attack, name, int(size or 20))
+        except ModuleNotFoundError as error:  # an optional data package: skip the row, keep the others
+            print(f"(skipping {spec}: {error})", flush=True)
+            skipped.append(spec)
+            continue
         rows.append(summarise(label, batch, records))
         print(rows[-1], f"[{time.perf_counter() - start:.0f} s]", flush=True)
+    if not rows:
+        print(f"no row ran (skipped: {', '.join(skipped)})")
+        return
     keys = list(rows[0])
     table = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     table += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]
@@ -196,7 +204,7 @@ def main(argv=None):
               f"`{' '.join(['python', 'benchmarks/spear_benchmark.py', *(argv if argv is not None else sys.argv[1:])])}`"
               f" (torch {torch.__version__}, {torch.get_num_threads()} thread(s), {platform.processor() or platform.machine()}, "
               f"{attack!r}, max_seconds={args.max_seconds})\n\n")
-    text = header + "\n".join(table) + "\n"
+    text = header + "\n".join(table) + "\n" + (f"\nSkipped (optional package missing): {', '.join(skipped)}\n" if skipped else "")
     print(text)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

