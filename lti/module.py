@@ -54,6 +54,7 @@ class LearnedInversionModule(LightningModule):
             raise ValueError(f"scheduler {scheduler!r} is not allowed; use one of {', '.join(map(repr, SCHEDULES))}")
         # The subclass's __init__ frame holds every init argument (not just the three checked here).
         self.save_hyperparameters(ignore=["inverter"], frame=inspect.currentframe().f_back)
+        self.run_notes: list[str] = []  # said once per run (e.g. an exact attack that cannot be exact); in results files
         return materialize(inverter)
 
     @property

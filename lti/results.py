@@ -81,6 +81,8 @@ class ResultsWriter(Callback):
                 self._said_mismatch = True
         payload = {"stage": stage, "metrics": metrics, "num_updates": len(samples), "setting": setting,
                    "global_step": trainer.global_step}
+        if getattr(pl_module, "run_notes", None):
+            payload["notes"] = list(pl_module.run_notes)
         _write_atomic(root / f"{stage}_metrics.json", json.dumps(payload, indent=2) + "\n")
         _write_atomic(root / f"{stage}_samples.jsonl", "".join(json.dumps(r) + "\n" for r in samples))
         wanted = ("index", "reference", "lti", "dager", "lti_token_acc", "lti_rouge1",  # text

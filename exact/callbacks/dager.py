@@ -25,6 +25,7 @@ from lightning.pytorch import LightningModule, Trainer
 from datamodules.metrics import ROUGE_TYPES, score_batch
 from exact.callbacks.base import ExactAttackCallback
 from exact.dager import Dager
+from exact.dager.feasibility import feasibility_notes
 
 
 class DagerCallback(ExactAttackCallback):
@@ -80,6 +81,7 @@ class DagerCallback(ExactAttackCallback):
             ids = ids[:, None]
             mask = None if mask is None else mask[:, None]
         updates, per_update, length = ids.shape
+        self._say_feasibility(pl_module, pipeline, per_update * length if mask is None else int(mask.sum(dim=(1, 2)).max()))
         count = self._count(updates)
         split = pipeline.split(update[:count])
         tokenizer = getattr(datamodule, "tokenizer", None)
@@ -115,6 +117,20 @@ class DagerCallback(ExactAttackCallback):
         pl_module.log(f"{prefix}/seconds_per_batch", seconds, batch_size=1, **common)
         if self.log_samples and isinstance(getattr(pl_module, "samples", None), list):
             self._add_samples(pl_module.samples, batch, records, updates)
+
+    def _say_feasibility(self, pl_module: LightningModule, pipeline: Any, tokens: int) -> None:
+        """Once per run, before the first attack: why exact recovery may be impossible here (console and
+        the metrics file's `notes`)."""
+        if getattr(self, "_feasibility_said", False):
+            return
+        self._feasibility_said = True
+        target = pipeline.target
+        width = getattr(target, "hidden_size", None) or target.embedding_matrix.shape[1]
+        notes = [f"DAGER: {note}" for note in feasibility_notes(tokens, int(width), pipeline.defense.describe())]
+        for note in notes:
+            print(f"lti: note: {note}")
+        if notes and isinstance(getattr(pl_module, "run_notes", None), list):
+            pl_module.run_notes.extend(notes)
 
     @staticmethod
     def _add_samples(samples: list, batch: dict, records: list, updates: int) -> None:

@@ -34,6 +34,34 @@ def test_lti_test_with_dager_callback_writes_metrics_and_samples(make_config, tm
     assert len(samples) == 4
     for sample in samples:
         assert sample["dager"] == sample["reference"] and "lti" in sample and sample["dager_exact"]
+    assert "notes" not in result  # nothing stood in the way: nothing to say
+
+
+def test_dager_says_once_when_exactness_is_impossible_and_records_it(make_config, tmp_path, capsys):
+    config = make_config(**{
+        # Two sequences of 8 tokens per update = 16 tokens on a 16-wide model: full rank.
+        "data.target.init_args.num_layers": 2, "data.eval_samples": 8,
+        "data.client": {"class_path": "datamodules.federated.FedSGDClient", "init_args": {"samples_per_update": 2}},
+        "data.defense": {"class_path": "datamodules.federated.Sign"},
+        "trainer.callbacks": [{"class_path": "exact.callbacks.DagerCallback", "init_args": {"attack": {"class_path": "exact.Dager"}}}],
+    })
+    main(["test", "--config", str(config)])
+    out = capsys.readouterr().out
+    width_note = "lti: note: DAGER: an update holds 16 tokens but the model is 16 wide"
+    assert out.count(width_note) == 1
+    assert out.count("lti: note: DAGER: the defense sign signs every coordinate") == 1
+    notes = json.loads((tmp_path / "run" / "test_metrics.json").read_text())["notes"]
+    assert len(notes) == 2 and notes[0].startswith("DAGER: an update holds 16 tokens")
+
+
+def test_feasibility_notes_name_each_reason():
+    from exact.dager.feasibility import feasibility_notes
+
+    assert feasibility_notes(15, 16, {"name": "none"}) == []
+    assert len(feasibility_notes(16, 16, None)) == 1
+    composed = {"name": "compose", "defenses": [{"name": "prune", "fraction_removed": 0.9}, {"name": "gaussian", "sigma": 0.1}]}
+    notes = feasibility_notes(4, 16, composed)
+    assert len(notes) == 2 and "prune" in notes[0] and "gaussian" in notes[1]
 
 
 def test_callback_rejects_bad_arguments():
