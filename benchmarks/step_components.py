@@ -70,6 +70,7 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=["mlp", "embedding", "embedding-sampled:bf16:fused"],
                         help="inverter[:bf16][:fused]: mlp (the paper's), embedding, embedding-sampled (4,096 sampled "
                              "negatives); bf16 autocast; fused = fused Adam + gradients zeroed in place")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--cache-rows", type=int, default=4096,
                         help="rows of the float16 memmap used to time reading cached features (warm page cache)")
     args = parser.parse_args()
