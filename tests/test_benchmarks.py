@@ -126,3 +126,23 @@ def test_spear_benchmark_skips_a_row_whose_optional_package_is_missing_and_print
     table = [line for line in out.splitlines() if line.startswith("| ")]
     assert len(table) == 2 and "digits" in table[1]  # header + the row that ran
     assert "Skipped (optional package missing): adult:4" in out
+
+
+@pytest.mark.slow
+def test_step_components_benchmark_times_every_component_of_old_and_new_paths(capsys):
+    module = load_benchmark("step_components")
+    import sys
+
+    argv = ["step_components", "--batch", "4", "--repeats", "1", "--hash-fraction", "0.001", "--cache-rows", "16",
+            "--variants", "embedding", "embedding-sampled:bf16:fused"]
+    old, sys.argv = sys.argv, argv
+    try:
+        module.main()
+    finally:
+        sys.argv = old
+    out = capsys.readouterr().out
+    for line in ("update (+ defense)", "hash", "cached features", "embedding (", "embedding-sampled:bf16:fused (",
+                 "inverter forward + loss", "backward", "optimizer (Adam)", "step total (cached features)"):
+        assert line in out, line
+    totals = [float(l.split()[-1]) for l in out.splitlines() if "step total" in l]
+    assert len(totals) == 4 and all(t > 0 for t in totals)
