@@ -106,15 +106,18 @@ class InversionDataModule(LightningDataModule):
 
         if self._cache is None:
             distributed = self.trainer is not None and self.trainer.world_size > 1
-            if distributed and self._rank() != 0:
+            builder = self._rank() == 0
+            if distributed and not builder:
                 self.trainer.strategy.barrier("observation cache")
             if self.trainer is not None:  # build on the run's device (a GPU computes the updates far faster)
                 self.pipeline.to(self.trainer.strategy.root_device)
-            self._cache = ObservationCache(self.observation_cache, self.pipeline, self._splits[self.train_split],
-                                           self.batch_size, rebuild=self.rebuild_observation_cache and self._rank() == 0,
-                                           client_batch=self.client_batch)
-            if distributed and self._rank() == 0:
-                self.trainer.strategy.barrier("observation cache")
+            try:
+                self._cache = ObservationCache(self.observation_cache, self.pipeline, self._splits[self.train_split],
+                                               self.batch_size, rebuild=self.rebuild_observation_cache and builder,
+                                               client_batch=self.client_batch, build=builder)
+            finally:
+                if distributed and builder:  # release the other ranks even when the build failed
+                    self.trainer.strategy.barrier("observation cache")
         return self._cache
 
     def _stream_loader(self, stream: TrainingStream) -> DataLoader:

@@ -103,9 +103,10 @@ class ObservationCache:
     """The cached features of one DataModule's auxiliary updates (`features(index)` -> (n, k) float32)."""
 
     def __init__(self, path: str | Path, pipeline: UpdatePipeline, updates: ClientUpdates, batch_size: int = 64,
-                 rebuild: bool = False, progress: bool = True, client_batch=None) -> None:
+                 rebuild: bool = False, progress: bool = True, client_batch=None, build: bool = True) -> None:
         """`client_batch(batch)`: the fields of a batch the client's loss reads (the DataModule's, so the
-        cache computes exactly what the on-the-fly path computes); the build runs on the pipeline's device."""
+        cache computes exactly what the on-the-fly path computes); the build runs on the pipeline's device.
+        `build=False` (DDP ranks other than 0): open a cache another process built, never build one."""
         self.path, self.pipeline, self.updates = Path(path), pipeline, updates
         self.client_batch = client_batch or (lambda batch: {k: v for k, v in batch.items() if k in pipeline.loss.fields})
         self.key = json.loads(json.dumps(cache_key(pipeline, updates)))  # as it reads back from meta.json
@@ -123,6 +124,8 @@ class ObservationCache:
                                  "set data.rebuild_observation_cache true or choose another path")
             if difference is not None:
                 shutil.rmtree(self.path)
+        if not self.path.exists() and not build:
+            raise ValueError(f"observation cache {str(self.path)!r} was not built by rank 0 (see its error)")
         if not self.path.exists():
             self._build(batch_size, progress)
         self._features = np.load(self.path / "features.npy", mmap_mode="r")

@@ -14,10 +14,12 @@ LEADING = ("step", "samples", "wall_minutes")
 
 
 class LearningCurve(Callback):
-    """Appends `step, samples, wall_minutes, val/...` to `path` after every validation.
+    """Appends `step, samples, wall_minutes, val/...` to `path` after every validation (`samples`:
+    client updates trained on, steps x batch size x ranks).
 
     `wall_minutes` is the run's wall time from the start of fitting (validation included; data set-up
-    before it excluded), summed over resumes: the elapsed time is saved with checkpoints and
+    before it excluded, but an observation cache built by the first training loader is included),
+    summed over resumes: the elapsed time is saved with checkpoints and
     restored. Rows beyond the step a run resumes from (written after its last checkpoint, by the
     interrupted run) are dropped, so a curve never holds two rows for one step.
     """

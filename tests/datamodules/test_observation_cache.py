@@ -145,3 +145,12 @@ def test_random_clients_and_unsupported_defenses_are_refused(corpus_files, tmp_p
         _datamodule(corpus_files, tmp_path / "b", defense=DPSGD(clip_norm=1.0, noise_multiplier=1.0)).train_dataloader()
     with pytest.raises(ValueError, match="nothing to cache"):
         _datamodule(corpus_files, tmp_path / "c", training_data="pseudo")
+
+
+def test_a_rank_that_does_not_build_refuses_a_missing_cache(corpus_files, tmp_path):
+    from datamodules.observation_cache import ObservationCache
+
+    dm = _datamodule(corpus_files)
+    with pytest.raises(ValueError, match="was not built by rank 0"):
+        ObservationCache(tmp_path / "cache", dm.pipeline, dm._splits["auxiliary"], build=False)
+    assert not (tmp_path / "cache").exists()
