@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 from datamodules.client_updates import ClientUpdates
 from datamodules.federated import ClientProtocol, Defense, Hashing, ParameterSelection, UpdatePipeline
 from datamodules.federated.losses import ClientLoss
-from datamodules.training_stream import EVALUATION, OBSERVATION, AuxiliaryStream, TrainingStream, step_seed
+from datamodules.training_stream import EVALUATION, OBSERVATION, AuxiliaryStream, TrainingStream, seeded, step_seed
 
 
 def check_sizes(batch_size: int, train_samples: int | None, eval_samples: int | None) -> None:
@@ -162,9 +162,7 @@ class InversionDataModule(LightningDataModule):
         device = next(iter(client_batch.values())).device
         self.pipeline.to(device)
         training = self.trainer is not None and self.trainer.training
-        devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):  # the caller's random state is left as it was
-            torch.manual_seed(self.observation_seed(batch, training))
+        with seeded(device, self.observation_seed(batch, training)):  # the caller's random state is left as it was
             observed = self.pipeline(client_batch, keep_update=self.keep_eval_updates and not training)
         batch["features"] = observed.features
         if observed.update is not None:

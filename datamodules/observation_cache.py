@@ -31,6 +31,7 @@ from torch import Tensor
 from datamodules.client_updates import ClientUpdates
 from datamodules.federated import GaussianNoise, NoDefense, Sign, TopKPruning
 from datamodules.federated.pipeline import UpdatePipeline
+from datamodules.training_stream import seeded
 
 FORMAT_VERSION = 1
 #: Defenses whose defended update is a deterministic function of the client update.
@@ -182,8 +183,7 @@ class ObservationCache:
         saved = self.pipeline.defense
         self.pipeline.defense = defense
         try:
-            with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
-                torch.manual_seed(seed)
+            with seeded(device, seed):
                 return self.pipeline(fields).features.float().cpu()
         finally:
             self.pipeline.defense = saved

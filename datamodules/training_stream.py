@@ -17,6 +17,7 @@ its own generator stream (pseudo-data). Plain PyTorch.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from collections.abc import Callable
 
 import torch
@@ -43,6 +44,16 @@ def step_seed(*parts: int) -> int:
 
 def step_generator(*parts: int) -> torch.Generator:
     return torch.Generator().manual_seed(step_seed(*parts))
+
+
+@contextmanager
+def seeded(device: torch.device, seed: int):
+    """Every draw inside (dropout, defense noise) from `seed` on `device`; the caller's random state
+    (CPU and that device's) is restored afterwards."""
+    devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
 
 
 class TrainingStream(IterableDataset, ABC):
