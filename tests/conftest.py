@@ -91,6 +91,33 @@ def make_config(tmp_path, corpus_files):
     return lambda **overrides: tiny_config(tmp_path, corpus_files, **overrides)
 
 
+@pytest.fixture
+def grid_file(make_config, tmp_path):
+    """A tiny attack x defense x protocol grid (LTI and DAGER under two defenses) for the matrix tests."""
+    base = make_config(**{"trainer.max_steps": 2, "trainer.limit_val_batches": 0, "data.eval_samples": 4,
+                          # DAGER needs two attention layers; 8 tokens per update stay below d = 16.
+                          "data.target.init_args.num_layers": 2})
+    grid = {
+        "out_dir": str(tmp_path / "matrix"),
+        "base": [str(base)],
+        "overrides": {"trainer.max_steps": 2},
+        "protocols": {"fedsgd": None},
+        "defenses": {
+            "none": str(REPO / "configs/defenses/none.yaml"),
+            "gauss": {"configs": [str(REPO / "configs/defenses/gaussian.yaml")], "noise": 0.01},
+        },
+        "attacks": {
+            "lti": None,
+            "dager": {"kind": "exact", "configs": [str(REPO / "configs/exact/dager.yaml")], "metrics_prefix": "test/dager",
+                      "extra_metrics": ["exact_fraction"], "not_applicable": {"gauss": "noise breaks exactness"}},
+        },
+        "wandb": {"mode": "offline"},
+    }
+    path = tmp_path / "grid.yaml"
+    path.write_text(yaml.safe_dump(grid, sort_keys=False))
+    return path
+
+
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 

@@ -12,17 +12,24 @@ file exists with the same arguments (so a partly finished grid resumes where it 
 cells whose arguments changed or that failed. A cell that does not apply is written as "n/a" with the
 grid's reason, never run. `--resume_from matrix.json` seeds the cells from a table written earlier
 (e.g. the one committed under docs/): its records count as finished where their arguments match.
-`--jobs N` runs N cells at once as subprocesses (each with its share of the CPU cores), and two
-`lti matrix` runs on disjoint slices of one grid may share its folder (records are written whole).
+`--launcher` says where cells run: `inline` (this process), `local` (a process per cell through
+submitit, `--max_parallel` at once) or `slurm` (a SLURM job per cell through submitit), with resources
+per cell from the grid's `resources:` block and `--resource`. Every cell writes its own record, so
+`--collect` builds the tables from whatever has finished and `--status` lists done / running / failed
+/ pending cells with their job ids; two `lti matrix` runs on disjoint slices of one grid may share its
+folder (records are written whole).
 The table goes to `matrix.csv`, `matrix.json`, `matrix.md`, the plots to
 `*.png`, and all of them to one W&B run (offline unless the grid says otherwise).
 
 This package drives the CLI; it holds no model code. Its modules, each importing only those above it:
 
+* `resources`: the resources a cell may ask for, from the grid file and `--resource`;
 * `grid`: the grid file (`Entry`, `Grid`, `load_grid`) and each cell's id, folder, commands, fingerprint;
 * `records`: the cells' `cell.json` records, and importing them from an earlier `matrix.json`;
 * `report`: the tables, plots and W&B run;
-* `runner`: running one cell, the grid (`--jobs`), the `--dry_run` plan and the time estimate;
+* `cell`: one cell's `lti` runs in the current process, and its record;
+* `launchers`: where cells run (`inline`, `local`, `slurm`), their jobs' files and states;
+* `runner`: the grid through a launcher, `--collect`, `--status`, the `--dry_run` plan, the time estimate;
 * `cli`: `main`, the `lti matrix` command line (also `python -m lti.matrix`).
 """
 
@@ -30,11 +37,15 @@ from lti.matrix.grid import (KINDS, METRICS, Entry, Grid, cell_commands, cell_fi
                              load_grid, select_cells)
 from lti.matrix.records import FINISHED_STATUSES, import_records, importable_records
 from lti.matrix.report import headline_table, log_to_wandb, markdown_table, write_outputs, write_plots
-from lti.matrix.runner import estimate_remaining, plan_grid, run_cell, run_grid
+from lti.matrix.cell import run_cell
+from lti.matrix.launchers import LAUNCHERS, execute_cell, make_launcher
+from lti.matrix.resources import RESOURCE_KEYS
+from lti.matrix.runner import collect, estimate_remaining, grid_status, plan_grid, run_grid
 from lti.matrix.cli import main  # last: the command line sits on top of the rest
 
 __all__ = [
     "KINDS", "METRICS", "Entry", "Grid", "cell_commands", "cell_fingerprint", "cell_folder", "cell_id", "load_grid",
     "select_cells", "FINISHED_STATUSES", "import_records", "importable_records", "headline_table", "log_to_wandb",
-    "markdown_table", "write_outputs", "write_plots", "estimate_remaining", "plan_grid", "run_cell", "run_grid", "main",
+    "markdown_table", "write_outputs", "write_plots", "run_cell", "LAUNCHERS", "execute_cell", "make_launcher",
+    "RESOURCE_KEYS", "collect", "estimate_remaining", "grid_status", "plan_grid", "run_grid", "main",
 ]

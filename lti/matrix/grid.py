@@ -11,9 +11,10 @@ from typing import Any
 
 import yaml
 
+from lti.matrix.resources import KINDS, parse_resources
+
 # What a cell reports, read from `test_metrics.json` under the attack's metric prefix.
 METRICS = ("token_acc", "rouge1", "rouge2", "rougeL")
-KINDS = ("learned", "exact")
 
 
 @dataclass
@@ -45,6 +46,8 @@ class Grid:
     defenses: list[Entry]
     protocols: list[Entry]
     wandb: dict[str, Any]
+    # Where cells run (lti.matrix.resources): {"all" | "learned" | "exact": {resource: value}}.
+    resources: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def cells(self) -> list[tuple[Entry, Entry, Entry]]:
         return [(p, d, a) for p in self.protocols for d in self.defenses for a in self.attacks]
@@ -82,7 +85,7 @@ def load_grid(path: str | Path, out_dir: str | Path | None = None) -> Grid:
     if not path.is_file():
         raise FileNotFoundError(f"grid file {str(path)!r} does not exist")
     raw = yaml.safe_load(path.read_text()) or {}
-    unknown = set(raw) - {"out_dir", "base", "overrides", "attacks", "defenses", "protocols", "wandb"}
+    unknown = set(raw) - {"out_dir", "base", "overrides", "attacks", "defenses", "protocols", "wandb", "resources"}
     if unknown:
         raise ValueError(f"grid {path}: unknown top-level keys {sorted(unknown)}")
     grid = Grid(
@@ -93,6 +96,7 @@ def load_grid(path: str | Path, out_dir: str | Path | None = None) -> Grid:
         defenses=_entries(raw.get("defenses"), "defenses", path),
         protocols=_entries(raw.get("protocols"), "protocols", path),
         wandb={"project": "lti", "mode": "offline", **(raw.get("wandb") or {})},
+        resources=parse_resources(raw.get("resources"), f"grid {path}"),
     )
     for entry in [*grid.attacks, *grid.defenses, *grid.protocols]:
         for config in [*grid.base, *entry.configs]:

@@ -1,91 +1,18 @@
-"""Running cells: one cell as `lti` runs (in this process or as subprocesses), the whole grid with
-`--jobs` cells at once, the `--dry_run` plan, and the remaining-time estimate from finished cells."""
+"""The grid: running it through a launcher (lti.matrix.launchers), `--collect` (tables from the finished
+cells), `--status` (done / running / failed / pending per cell), the `--dry_run` plan, and the
+remaining-time estimate from finished cells."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import threading
-import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
-from lti.matrix.grid import (METRICS, Entry, Grid, cell_commands, cell_fingerprint, cell_folder, cell_id,
-                             select_cells)
+from lti.matrix.cell import run_cell
+from lti.matrix.grid import METRICS, Entry, Grid, cell_commands, cell_id, select_cells
+from lti.matrix.launchers import Launcher, job_states, make_launcher, read_job_file
 from lti.matrix.records import FINISHED_STATUSES, _finished, _save_record, importable_records
 from lti.matrix.report import write_outputs
-
-# --------------------------------------------------------------------------------------------------------
-# One cell
-
-
-def _find(tree: Any, key: str) -> Any:
-    """First value stored under `key` anywhere in a nested dict (e.g. the DP defense's epsilon)."""
-    if isinstance(tree, dict):
-        if key in tree:
-            return tree[key]
-        for value in tree.values():
-            found = _find(value, key)
-            if found is not None:
-                return found
-    return None
-
-
-def _run_lti(args: list[str], inline: bool, log, threads: int | None = None) -> None:
-    if inline:
-        from lti.trainer_cli import run  # the caller's process: no interpreter or import start-up per cell
-
-        argv, sys.argv = sys.argv, ["lti"]  # LightningCLI warns when it sees the grid's own arguments
-        try:
-            run(args)  # errors propagate with their message (`main` would print and exit)
-        finally:
-            sys.argv = argv
-        return
-    env = {**os.environ, "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1"}
-    if threads is not None:  # cells run side by side (`--jobs`): each gets its share of the cores
-        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    completed = subprocess.run([sys.executable, "-m", "lti.cli", *args], stdout=log, stderr=subprocess.STDOUT, env=env)
-    if completed.returncode:
-        raise RuntimeError(f"lti {args[0]} exited with status {completed.returncode}")
-
-
-def run_cell(grid: Grid, protocol: Entry, defense: Entry, attack: Entry, inline: bool = False,
-             threads: int | None = None) -> dict:
-    """Runs one cell (in this process if `inline`, else as `lti` subprocesses with `threads` CPU
-    threads each, None: inherited) and returns its record; a failing cell gives a "failed" record."""
-    folder = cell_folder(grid, protocol, defense, attack)
-    folder.mkdir(parents=True, exist_ok=True)
-    record: dict[str, Any] = {"protocol": protocol.name, "defense": defense.name, "attack": attack.name,
-                              "kind": attack.kind, "noise": defense.noise}
-    reason = attack.not_applicable.get(protocol.name) or attack.not_applicable.get(defense.name)
-    commands = cell_commands(grid, protocol, defense, attack)
-    record["fingerprint"] = cell_fingerprint(grid, protocol, defense, attack)
-    if reason:
-        return {**record, "status": "n/a", "reason": reason}
-    record["commands"] = [["lti", *c] for c in commands]
-    start = time.perf_counter()
-    with open(folder / "log.txt", "w") as log:
-        try:
-            for args in commands:
-                _run_lti(args, inline, log, threads)
-            result = json.loads((folder / "run" / "test_metrics.json").read_text())
-        except (Exception, SystemExit) as error:  # noqa: BLE001 - one failed cell must not stop the grid
-            if type(error).__name__ == "SIGTERMException":
-                raise  # the grid was stopped (Lightning turns SIGTERM into this): not the cell's failure
-            tail = (folder / "log.txt").read_text().strip().splitlines()[-1:] if not inline else []
-            reason = tail[0] if tail else f"{type(error).__name__}: {error}"
-            return {**record, "status": "failed", "reason": reason[:300],
-                    "seconds": time.perf_counter() - start}
-    metrics = result["metrics"]
-    prefix = attack.metrics_prefix.rstrip("/")
-    values = {m: metrics.get(f"{prefix}/{m}") for m in (*METRICS, *attack.extra_metrics)}
-    values["baseline_token_acc"] = metrics.get("test/baseline/token_acc")
-    return {**record, "status": "ok", "metrics": values, "epsilon": _find(result.get("setting"), "epsilon"),
-            "num_updates": result.get("num_updates"), "seconds": time.perf_counter() - start}
-
 
 # --------------------------------------------------------------------------------------------------------
 # Time estimate
@@ -138,70 +65,100 @@ def _summary(record: dict) -> str:
     return ", ".join(parts) + f" ({record.get('seconds', 0):.0f} s)"
 
 
-def run_grid(grid: Grid, inline: bool = False, only: dict[str, list[str]] | None = None, echo=print,
-             jobs: int = 1, threads_per_job: int | None = None) -> list[dict]:
-    """Runs (or resumes) the selected cells (`select_cells`) and writes the tables and plots.
+def run_grid(grid: Grid, launcher: str | Launcher = "inline", only: dict[str, list[str]] | None = None,
+             echo=print, max_parallel: int = 1, resources: dict[str, dict[str, Any]] | None = None) -> list[dict]:
+    """Runs (or resumes) the selected cells (`select_cells`) through `launcher` (a name of
+    `LAUNCHERS` or a launcher) and, once the launcher has waited for them, writes the tables.
 
-    The tables cover every cell of the grid finished so far (this run or earlier ones), so a large
-    grid can be filled in slices. `jobs` > 1 runs that many cells at once, as subprocesses with
-    `threads_per_job` CPU threads each (default: the machine's cores shared out); worth it where one
-    cell cannot use all cores (`benchmarks/results/step_time_threads_cpu.md`). Returns the records.
+    Cells already finished with the same arguments are skipped; the tables cover every cell of the
+    grid finished so far (this run or earlier ones), so a large grid can be filled in slices.
+    `max_parallel` cells run at once (local launcher). Returns the records finished so far.
     """
-    if jobs < 1:
-        raise ValueError(f"jobs={jobs} must be at least 1")
-    if jobs > 1 and inline:
-        raise ValueError("cells that run side by side (jobs > 1) run as subprocesses; drop --inline")
-    if threads_per_job is not None and threads_per_job < 1:
-        raise ValueError(f"threads_per_job={threads_per_job} must be at least 1")
-    if jobs > 1 and threads_per_job is None:
-        threads_per_job = max(1, (os.cpu_count() or 1) // jobs)
+    if isinstance(launcher, str):
+        launcher = make_launcher(launcher, grid, max_parallel, resources)
     cells = select_cells(grid, only)
     # Finished records, read once and kept up to date: the time estimate needs all of them per cell.
     done = {cell_id(*c): r for c in grid.cells() if (r := _finished(grid, *c)) is not None}
-    lock = threading.Lock()  # `done` and the echo are shared by the jobs' threads
-    stopping = threading.Event()  # set by a job that raised (e.g. Ctrl-C): start no further cell
+    numbers = {cell_id(*cell): number for number, cell in enumerate(cells, 1)}
+    lock = threading.Lock()
 
-    def run_one(number: int) -> None:
-        cell = cells[number - 1]
-        name = f"[{number}/{len(cells)}] {cell[0].name} x {cell[1].name} x {cell[2].name}"
+    def name(cell) -> str:
+        return f"[{numbers[cell_id(*cell)]}/{len(cells)}] {cell[0].name} x {cell[1].name} x {cell[2].name}"
+
+    todo = []
+    for cell in cells:
+        if cell_id(*cell) in done:
+            echo(f"{name(cell)}: done before, skipped")
+        elif cell[2].not_applicable.get(cell[0].name) or cell[2].not_applicable.get(cell[1].name):
+            record = run_cell(grid, *cell)  # "n/a" with the grid's reason, at once: no job for a cell never run
+            _save_record(grid, cell, record)
+            done[cell_id(*cell)] = record
+            echo(f"{name(cell)}: {_summary(record)}")
+        else:
+            todo.append(cell)
+
+    def on_start(cell) -> None:
         with lock:
-            if stopping.is_set():
-                return
-            if cell_id(*cell) in done:
-                echo(f"{name}: done before, skipped")
-                return
-            pending = [c for c in cells[number - 1 :] if cell_id(*c) not in done]
+            pending = [c for c in todo[todo.index(cell):] if cell_id(*c) not in done]
             seconds, unknown = estimate_remaining(list(done.values()), pending)
-            echo(f"{name}: running ...{_eta_text((seconds / jobs, unknown))}")
-        try:
-            record = run_cell(grid, *cell, inline=inline, threads=threads_per_job)
-        except BaseException:
-            stopping.set()
-            raise
-        _save_record(grid, cell, record)
+            verb = "running ..." if launcher.waits else "submitting ..."
+            echo(f"{name(cell)}: {verb}{_eta_text((seconds / launcher.max_parallel, unknown)) if launcher.waits else ''}")
+
+    def on_record(cell, record: dict) -> None:
         with lock:
             if record["status"] in FINISHED_STATUSES:
                 done[cell_id(*cell)] = record
-            echo(f"{name}: {_summary(record)}")
+            echo(f"{name(cell)}: {_summary(record)}")
 
-    numbers = range(1, len(cells) + 1)
-    if jobs == 1:
-        for number in numbers:
-            run_one(number)
-    else:
-        pool = ThreadPoolExecutor(max_workers=jobs)
-        try:
-            for future in as_completed([pool.submit(run_one, number) for number in numbers]):
-                future.result()  # re-raises at once what a job raised
-        finally:  # after an error or Ctrl-C, the cells not started yet are dropped (`stopping`)
-            pool.shutdown(wait=True, cancel_futures=True)
+    launcher.launch(todo, on_start, on_record)
+    if not launcher.waits:
+        echo(f"{len(todo)} cell{'s' * (len(todo) != 1)} submitted ({launcher.name}); follow them with "
+             f"`lti matrix --grid ... --status`, build the tables with `--collect`")
+    return collect(grid)
+
+
+def collect(grid: Grid) -> list[dict]:
+    """`--collect`: the tables and plots from every cell record on disk (finished or failed), whatever
+    ran them; cells still running or pending are left out. Returns the records."""
     records = [r for r in (_finished(grid, *c, failed_too=True) for c in grid.cells()) if r is not None]
     write_outputs(grid, records)
     return records
 
 
+# The engine's job states, in the words of `--status` (SLURM's states; a local job is RUNNING or ENDED).
+_JOB_STATES = {"RUNNING": "running", "COMPLETING": "running", "CONFIGURING": "running",
+               "PENDING": "queued", "REQUEUED": "queued", "SUSPENDED": "queued", "UNKNOWN": "submitted"}
+
+
+def grid_status(grid: Grid, only: dict[str, list[str]] | None = None) -> list[dict]:
+    """`--status`: per selected cell, {"cell", "status", "job_id", "detail"}. A cell with a record is
+    done, n/a or failed; one without is running, queued or submitted (state unknown: sacct not
+    reachable) while its job (job.json) lives by the engine's account, failed if its SLURM job ended
+    in failure, and pending otherwise (never run, or its job was stopped before it wrote a record)."""
+    cells = select_cells(grid, only)
+    records = [_finished(grid, *cell, failed_too=True) for cell in cells]
+    jobs = [read_job_file(grid, cell) for cell in cells]
+    waiting = [job for job, record in zip(jobs, records) if job is not None and record is None]
+    states = dict(zip(map(id, waiting), job_states(waiting)))
+    rows = []
+    for cell, record, job in zip(cells, records, jobs):
+        row = {"cell": cell_id(*cell), "status": "pending", "job_id": job and job["job_id"], "detail": ""}
+        if record is not None:
+            row["status"] = {"ok": "done"}.get(record["status"], record["status"])
+            row["detail"] = _summary(record)
+        elif job is not None:
+            state = states[id(job)]
+            ended = "job ended without a record: it runs again with the grid"
+            row["status"] = _JOB_STATES.get(state, "pending" if state in ("ENDED", "CANCELLED") else "failed")
+            row["detail"] = f"{job['launcher']} job {job['job_id']}: {state}"
+            if row["status"] in ("pending", "failed"):
+                row["detail"] += f" ({ended})"
+        rows.append(row)
+    return rows
+
+
 def plan_grid(grid: Grid, only: dict[str, list[str]] | None = None, resume_from: str | Path | None = None,
-              echo=print, jobs: int = 1) -> int:
+              echo=print, max_parallel: int = 1) -> int:
     """`--dry_run`: prints the `lti` commands of the selected cells that would run, a comment for the
     cells already finished (here or in `resume_from`, read only) or n/a, and the time estimate.
     Writes nothing; returns how many cells would run."""
@@ -221,5 +178,5 @@ def plan_grid(grid: Grid, only: dict[str, list[str]] | None = None, resume_from:
                 echo("lti " + " ".join(command))
     known = [r for r in finished.values() if r is not None]
     seconds, unknown = estimate_remaining(known, pending)
-    echo(f"# {len(pending)} cell{'s' * (len(pending) != 1)} to run{_eta_text((seconds / jobs, unknown))}")
+    echo(f"# {len(pending)} cell{'s' * (len(pending) != 1)} to run{_eta_text((seconds / max_parallel, unknown))}")
     return len(pending)

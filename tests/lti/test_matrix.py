@@ -13,36 +13,10 @@ from lti.matrix import cell_commands, load_grid, main, run_grid
 from conftest import REPO
 
 
-@pytest.fixture
-def grid_file(make_config, tmp_path):
-    base = make_config(**{"trainer.max_steps": 2, "trainer.limit_val_batches": 0, "data.eval_samples": 4,
-                          # DAGER needs two attention layers; 8 tokens per update stay below d = 16.
-                          "data.target.init_args.num_layers": 2})
-    grid = {
-        "out_dir": str(tmp_path / "matrix"),
-        "base": [str(base)],
-        "overrides": {"trainer.max_steps": 2},
-        "protocols": {"fedsgd": None},
-        "defenses": {
-            "none": str(REPO / "configs/defenses/none.yaml"),
-            "gauss": {"configs": [str(REPO / "configs/defenses/gaussian.yaml")], "noise": 0.01},
-        },
-        "attacks": {
-            "lti": None,
-            "dager": {"kind": "exact", "configs": [str(REPO / "configs/exact/dager.yaml")], "metrics_prefix": "test/dager",
-                      "extra_metrics": ["exact_fraction"], "not_applicable": {"gauss": "noise breaks exactness"}},
-        },
-        "wandb": {"mode": "offline"},
-    }
-    path = tmp_path / "grid.yaml"
-    path.write_text(yaml.safe_dump(grid, sort_keys=False))
-    return path
-
-
 def test_grid_runs_writes_tables_and_plots_and_resumes(grid_file, tmp_path):
     grid = load_grid(grid_file)
     lines: list[str] = []
-    records = run_grid(grid, inline=True, echo=lines.append)
+    records = run_grid(grid, "inline", echo=lines.append)
     assert [(r["defense"], r["attack"], r["status"]) for r in records] == [
         ("none", "lti", "ok"), ("none", "dager", "ok"), ("gauss", "lti", "ok"), ("gauss", "dager", "n/a")]
     by = {(r["defense"], r["attack"]): r for r in records}
@@ -65,21 +39,21 @@ def test_grid_runs_writes_tables_and_plots_and_resumes(grid_file, tmp_path):
 
     # Resume: nothing is recomputed ...
     lines.clear()
-    again = run_grid(grid, inline=True, echo=lines.append)
+    again = run_grid(grid, "inline", echo=lines.append)
     assert all(line.endswith("done before, skipped") for line in lines) and len(lines) == 4
     assert [r["metrics"] for r in again if r["status"] == "ok"] == [r["metrics"] for r in records if r["status"] == "ok"]
     # ... unless a cell's arguments change: only the changed defense's cell runs again.
     grid.defenses[0].overrides = {"data.hash_bins": 9}
     lines.clear()
-    run_grid(grid, inline=True, echo=lines.append, only={"attack": ["dager"]})
-    assert lines == ["[1/2] fedsgd x none x dager: running ...", lines[1], "[2/2] fedsgd x gauss x dager: done before, skipped"]
-    assert lines[1].startswith("[1/2] fedsgd x none x dager: token_acc 100.0%")
+    run_grid(grid, "inline", echo=lines.append, only={"attack": ["dager"]})
+    assert lines == ["[2/2] fedsgd x gauss x dager: done before, skipped", "[1/2] fedsgd x none x dager: running ...", lines[2]]
+    assert lines[2].startswith("[1/2] fedsgd x none x dager: token_acc 100.0%")
 
 
 def test_failed_cell_is_recorded_and_the_grid_goes_on(grid_file):
     grid = load_grid(grid_file)
     grid.attacks[0].overrides = {"data.seq_len": 99}  # longer than the target's positions
-    records = run_grid(grid, inline=True, only={"attack": ["lti"]}, echo=lambda _: None)
+    records = run_grid(grid, "inline", only={"attack": ["lti"]}, echo=lambda _: None)
     assert [r["status"] for r in records] == ["failed", "failed"]  # the dager cells were not selected
     assert "exceeds the target model" in records[0]["reason"]
     assert "failed" in (grid.out_dir / "matrix.md").read_text()
@@ -150,7 +124,7 @@ def test_lti_matrix_subcommand_dry_run_prints_every_cell(grid_file, capsys):
 
 def test_resume_from_an_earlier_table_under_another_out_dir(grid_file, tmp_path, capsys):
     grid = load_grid(grid_file)
-    records = run_grid(grid, inline=True, only={"attack": ["dager"]}, echo=lambda _: None)
+    records = run_grid(grid, "inline", only={"attack": ["dager"]}, echo=lambda _: None)
     table = grid.out_dir / "matrix.json"
     # A copy of the grid elsewhere (another machine, a fresh checkout) seeds its cells from the table:
     # the finished DAGER cells (one ok, one n/a) are not run again, the LTI cells still are missing.
@@ -159,7 +133,7 @@ def test_resume_from_an_earlier_table_under_another_out_dir(grid_file, tmp_path,
     from lti.matrix import import_records
 
     assert import_records(moved, table) == 2
-    again = run_grid(moved, inline=True, only={"attack": ["dager"]}, echo=lines.append)
+    again = run_grid(moved, "inline", only={"attack": ["dager"]}, echo=lines.append)
     assert all(line.endswith("done before, skipped") for line in lines) and len(lines) == 2
     assert [r.get("metrics") for r in again] == [r.get("metrics") for r in records]
     assert import_records(moved, table) == 0  # cells holding a record keep it
@@ -191,16 +165,15 @@ def test_a_stopped_grid_records_no_failed_cell(grid_file, monkeypatch):
     running is not written as failed (a rerun runs it again)."""
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    import lti.matrix.runner as matrix
-
-    def stopped(args, inline, log, threads=None):
+    def stopped(args):
         raise SIGTERMException()
 
-    monkeypatch.setattr(matrix, "_run_lti", stopped)
+    monkeypatch.setattr("lti.matrix.cell._run_lti", stopped)
     grid = load_grid(grid_file)
     with pytest.raises(SIGTERMException):
-        run_grid(grid, inline=True, only={"attack": ["dager"]}, echo=lambda _: None)
-    assert not list(grid.out_dir.glob("cells/*/cell.json"))
+        run_grid(grid, "inline", only={"attack": ["dager"]}, echo=lambda _: None)
+    # Only the n/a cell (never run) holds a record.
+    assert [p.parent.name for p in grid.out_dir.glob("cells/*/cell.json")] == ["fedsgd__gauss__dager"]
 
 
 def test_remaining_time_is_estimated_from_finished_cells_of_the_same_protocol_and_kind():
@@ -255,7 +228,7 @@ def test_dry_run_estimates_the_cells_to_run_from_the_finished_ones(grid_file):
     from lti.matrix import plan_grid
 
     grid = load_grid(grid_file)
-    run_grid(grid, inline=True, only={"attack": ["dager"], "defense": ["none"]}, echo=lambda _: None)
+    run_grid(grid, "inline", only={"attack": ["dager"], "defense": ["none"]}, echo=lambda _: None)
     (record_path,) = grid.out_dir.glob("cells/fedsgd__none__dager/cell.json")
     record = json.loads(record_path.read_text())
     record["seconds"] = 180.0  # as if the finished DAGER cell had taken 3 min
@@ -267,7 +240,7 @@ def test_dry_run_estimates_the_cells_to_run_from_the_finished_ones(grid_file):
     assert lines[0] == "# fedsgd__none__dager: done" and lines[1].startswith("lti test ")
     assert lines[-1] == "# 1 cell to run (grid: about 3 min left, from the finished cells' times)"
     lines.clear()
-    plan_grid(grid, {"attack": ["dager"]}, echo=lines.append, jobs=2)  # two cells at once: half the time
+    plan_grid(grid, {"attack": ["dager"]}, echo=lines.append, max_parallel=2)  # two cells at once: half the time
     assert lines[-1] == "# 1 cell to run (grid: about 2 min left, from the finished cells' times)"
     lines.clear()
     # Learned cells were never timed: counted, not guessed.
@@ -286,7 +259,7 @@ def test_cell_records_are_replaced_whole(grid_file, monkeypatch):
     from lti.matrix.records import _finished, _save_record
 
     grid = load_grid(grid_file)
-    run_grid(grid, inline=True, only={"attack": ["dager"], "defense": ["none"]}, echo=lambda _: None)
+    run_grid(grid, "inline", only={"attack": ["dager"], "defense": ["none"]}, echo=lambda _: None)
     (path,) = grid.out_dir.glob("cells/fedsgd__none__dager/cell.json")
     record = json.loads(path.read_text())
     cell = next(c for c in grid.cells() if (c[0].name, c[1].name, c[2].name) == ("fedsgd", "none", "dager"))
@@ -301,78 +274,3 @@ def test_cell_records_are_replaced_whole(grid_file, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         _save_record(grid, cell, {**record, "seconds": 99.0})
     assert _finished(grid, *cell)["seconds"] == 12.5
-
-
-def test_jobs_run_cells_side_by_side_with_a_share_of_the_cores(grid_file, monkeypatch):
-    """`jobs=2`: two cells at a time (never more), each told to use cores // 2 threads; every record is
-    saved and the tables cover them all. The cells are stand-ins that wait for each other in pairs at
-    a barrier, which only passes if two of them run at once."""
-    import threading
-
-    import lti.matrix.runner as matrix
-
-    grid = load_grid(grid_file)
-    lock, running, peak, threads_seen = threading.Lock(), [0], [0], []
-    pair = threading.Barrier(2, timeout=60)
-
-    def fake_cell(grid, protocol, defense, attack, inline=False, threads=None):
-        with lock:
-            running[0] += 1
-            peak[0] = max(peak[0], running[0])
-            threads_seen.append(threads)
-        pair.wait()  # raises BrokenBarrierError (failing the test) if the cells ran one at a time
-        with lock:
-            running[0] -= 1
-        return {"protocol": protocol.name, "defense": defense.name, "attack": attack.name, "kind": attack.kind,
-                "noise": defense.noise, "fingerprint": matrix.cell_fingerprint(grid, protocol, defense, attack),
-                "status": "n/a", "reason": "stand-in"}
-
-    monkeypatch.setattr(matrix, "run_cell", fake_cell)
-    monkeypatch.setattr(matrix.os, "cpu_count", lambda: 4)
-    lines: list[str] = []
-    records = run_grid(grid, jobs=2, echo=lines.append)
-    assert len(records) == 4 and {r["status"] for r in records} == {"n/a"}
-    assert peak[0] == 2 and threads_seen == [2, 2, 2, 2]
-    assert sum(": running ..." in line for line in lines) == 4
-    assert len(list(grid.out_dir.glob("cells/*/cell.json"))) == 4 and (grid.out_dir / "matrix.md").is_file()
-
-
-def test_jobs_arguments_are_checked(grid_file):
-    grid = load_grid(grid_file)
-    with pytest.raises(ValueError, match="drop --inline"):
-        run_grid(grid, inline=True, jobs=2)
-    with pytest.raises(ValueError, match="jobs=0"):
-        run_grid(grid, jobs=0)
-    with pytest.raises(ValueError, match="threads_per_job=0"):
-        run_grid(grid, jobs=2, threads_per_job=0)
-    with pytest.raises(SystemExit) as stop:  # the command line: a one-line error, no traceback
-        main(["--grid", str(grid_file), "--jobs", "2", "--inline"])
-    assert stop.value.code == 2
-    assert not list(grid.out_dir.glob("cells/*/cell.json"))
-
-
-def test_cells_run_as_subprocesses_side_by_side(grid_file):
-    """The real thing: two cells (LTI and DAGER) as `lti` subprocesses at once, one thread each."""
-    grid = load_grid(grid_file)
-    records = run_grid(grid, jobs=2, threads_per_job=1, only={"defense": ["none"]}, echo=lambda _: None)
-    by_attack = {r["attack"]: r for r in records}
-    assert set(by_attack) == {"lti", "dager"}
-    assert all(r["status"] == "ok" for r in by_attack.values()), by_attack
-    assert by_attack["dager"]["metrics"]["token_acc"] is not None
-
-
-def test_jobs_stop_starting_cells_after_an_error(grid_file, monkeypatch):
-    """An error in one job (e.g. the grid being interrupted) surfaces, and the cells not started yet
-    are dropped instead of run."""
-    import lti.matrix.runner as matrix
-
-    started = []
-
-    def failing_cell(grid, protocol, defense, attack, inline=False, threads=None):
-        started.append(attack.name)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(matrix, "run_cell", failing_cell)
-    with pytest.raises(KeyboardInterrupt):
-        run_grid(load_grid(grid_file), jobs=2, echo=lambda _: None)
-    assert len(started) <= 2  # the two that ran at once; the other two cells never started

@@ -1,0 +1,303 @@
+"""Where a grid's cells run: `--launcher inline` (this process), `local` (one process per cell through
+submitit's local executor) or `slurm` (one SLURM job per cell through submitit).
+
+A cell runs the same way under every launcher: `execute_cell` runs its `lti` commands in one Python
+process and writes the cell's record itself, so a SLURM job that finishes overnight leaves its
+result in the grid folder with nobody waiting for it (`lti matrix --collect` then builds the tables).
+A job launched by `local` or `slurm` keeps its stdout/stderr, submission script and state under the
+cell's folder (`job/`), and the job's id in `job.json`, from which `--status` tells a running cell
+from a pending or failed one.
+
+Resources per cell come from the grid file's `resources:` block (keys below; a `learned:` or `exact:`
+sub-block overrides them for that kind of attack) and then from `--resource [KIND.]KEY=VALUE` on the
+command line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from lti.matrix.cell import failed_record, run_cell
+from lti.matrix.grid import Entry, Grid, cell_folder, cell_id
+from lti.matrix.records import _save_record
+from lti.matrix.resources import cell_resources
+
+Cell = tuple[Entry, Entry, Entry]
+
+_SLURM_DEFAULT_TIMEOUT_MIN = 24 * 60
+_LOCAL_TIMEOUT_MIN = 365 * 24 * 60  # submitit's local executor kills a job after 2 min unless told otherwise
+
+# --------------------------------------------------------------------------------------------------------
+# One cell, in whatever process runs it
+
+
+def execute_cell(grid: Grid, cell: Cell, workdir: str | None = None, threads: int | None = None,
+                 job: dict | None = None) -> dict:
+    """Runs one cell's `lti` commands in this process and saves its record; returns the record.
+
+    This is the function a launcher's job runs. `workdir` is the directory the grid was launched
+    from (configs are paths relative to it); `threads` caps torch's CPU threads for the cell.
+    """
+    if workdir is not None:
+        os.chdir(workdir)
+    started, previous = time.time(), None
+    if threads is not None:
+        import torch
+
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+    try:
+        record = run_cell(grid, *cell)
+    finally:
+        if previous is not None:
+            import torch
+
+            torch.set_num_threads(previous)
+    if job is not None:
+        record["job"] = {**job, "host": socket.gethostname(), "pid": os.getpid(), "started": started, "ended": time.time()}
+    _save_record(grid, cell, record)
+    return record
+
+
+# --------------------------------------------------------------------------------------------------------
+# Job files: which job runs a cell
+
+
+def _job_file(grid: Grid, cell: Cell) -> Path:
+    return cell_folder(grid, *cell) / "job.json"
+
+
+def write_job_file(grid: Grid, cell: Cell, launcher: str, job_id: str) -> None:
+    path = _job_file(grid, cell)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"job.json.{os.getpid()}.partial")
+    partial.write_text(json.dumps({"launcher": launcher, "job_id": job_id, "folder": str(path.parent / "job"),
+                                   "submitted_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}) + "\n")
+    os.replace(partial, path)
+
+
+def read_job_file(grid: Grid, cell: Cell) -> dict | None:
+    path = _job_file(grid, cell)
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def job_states(jobs: list[dict]) -> list[str]:
+    """The engine's word for each cell's job (job.json): RUNNING, PENDING, FAILED, ... or UNKNOWN
+    (SLURM's states, read with one `sacct` call); a local job is RUNNING or ENDED."""
+    states = []
+    slurm = {}
+    for job in jobs:
+        if job["launcher"] == "local":
+            # A local job's id is its controller's process id; the process is this machine's to ask.
+            states.append("RUNNING" if _pid_alive(int(job["job_id"])) else "ENDED")
+        else:
+            states.append(None)
+            slurm[job["job_id"]] = job
+    if slurm:
+        try:
+            import submitit
+
+            handles = [submitit.SlurmJob(job["folder"], job_id) for job_id, job in slurm.items()]  # registers them
+            handles[0].watcher.update()  # one sacct call for all of them
+            found = {h.job_id: h.watcher.get_state(h.job_id, mode="cache") for h in handles}
+        except Exception:  # noqa: BLE001 - a status query must never fail the listing
+            found = {}
+        states = [found.get(job["job_id"], "UNKNOWN") if state is None else state for job, state in zip(jobs, states)]
+    return states
+
+
+# --------------------------------------------------------------------------------------------------------
+# Launchers
+
+
+class Launcher(ABC):
+    """Runs cells; each finished cell's record is saved (by the cell's own process) before `launch`
+    reports it through `on_record`."""
+
+    name: str
+    waits = True  # False: `launch` returns once the cells are submitted (the engine runs them later)
+
+    def __init__(self, grid: Grid, max_parallel: int = 1, resources: dict[str, dict[str, Any]] | None = None):
+        if max_parallel < 1:
+            raise ValueError(f"max_parallel={max_parallel} must be at least 1")
+        self.grid, self.max_parallel, self.flags = grid, max_parallel, resources or {}
+
+    def resources(self, cell: Cell) -> dict[str, Any]:
+        return cell_resources(self.grid.resources, cell[2].kind, self.flags)
+
+    @abstractmethod
+    def launch(self, cells: list[Cell], on_start: Callable[[Cell], None], on_record: Callable[[Cell, dict], None]) -> None:
+        ...
+
+
+class InlineLauncher(Launcher):
+    """Cells one after another in this process: no interpreter or import start-up per cell (the
+    quickstart-sized grids), but one cell's crash or leak is the grid's."""
+
+    name = "inline"
+
+    def __init__(self, grid: Grid, max_parallel: int = 1, resources: dict[str, dict[str, Any]] | None = None):
+        if max_parallel != 1:
+            raise ValueError("cells in this process run one at a time; use --launcher local for max_parallel > 1")
+        super().__init__(grid, max_parallel, resources)
+
+    def launch(self, cells, on_start, on_record):
+        for cell in cells:
+            on_start(cell)
+            on_record(cell, execute_cell(self.grid, cell, threads=self.resources(cell).get("cpus")))
+
+
+class SubmititLauncher(Launcher):
+    """Cells as submitit jobs: one executor (and job folder) per cell, so logs stay with the cell."""
+
+    cluster: str
+
+    def executor(self, cell: Cell):
+        import submitit
+
+        folder = cell_folder(self.grid, *cell) / "job"
+        try:
+            executor = submitit.AutoExecutor(folder=folder, cluster=self.cluster)
+        except RuntimeError as error:  # e.g. no `srun` on PATH: not on a SLURM cluster
+            raise ValueError(f"--launcher {self.name}: {error}") from None
+        executor.update_parameters(**self.parameters(cell))
+        return executor
+
+    @abstractmethod
+    def parameters(self, cell: Cell) -> dict[str, Any]:
+        ...
+
+    def threads(self, cell: Cell) -> int | None:
+        return self.resources(cell).get("cpus")
+
+    def submit(self, cell: Cell):
+        job = self.executor(cell).submit(execute_cell, self.grid, cell, os.getcwd(), self.threads(cell),
+                                         {"launcher": self.name})
+        write_job_file(self.grid, cell, self.name, str(job.job_id))
+        return job
+
+
+class LocalLauncher(SubmititLauncher):
+    """Each cell in its own process on this machine (submitit's local executor), `max_parallel` at a
+    time, each with its share of the CPU cores unless `cpus` says otherwise. Waits for them all;
+    Ctrl-C cancels the running cells (cells not started stay pending for the next run)."""
+
+    name, cluster = "local", "local"
+
+    def threads(self, cell: Cell) -> int:
+        return self.resources(cell).get("cpus") or max(1, (os.cpu_count() or 1) // self.max_parallel)
+
+    def parameters(self, cell: Cell) -> dict[str, Any]:
+        resources = self.resources(cell)
+        if "gpus" in resources:
+            gpus = resources["gpus"]
+        else:  # submitit hides the GPUs a local job did not ask for: by default a cell sees them all
+            import torch
+
+            gpus = torch.cuda.device_count()
+        return {"timeout_min": resources.get("timeout_min", _LOCAL_TIMEOUT_MIN), "gpus_per_node": gpus,
+                "name": cell_id(*cell)}
+
+    def launch(self, cells, on_start, on_record):
+        waiting, running = list(cells), []
+        try:
+            while waiting or running:
+                while waiting and len(running) < self.max_parallel:
+                    cell = waiting.pop(0)
+                    on_start(cell)
+                    running.append((cell, self.submit(cell)))
+                time.sleep(0.2)
+                for cell, job in [r for r in running if r[1].done()]:
+                    running.remove((cell, job))
+                    on_record(cell, self._outcome(cell, job))
+        except BaseException:
+            for _, job in running:  # Ctrl-C (or any error here): stop what this run started
+                job.cancel()
+            for _, job in running:
+                _wait_ended(job)
+            raise
+
+    def _outcome(self, cell: Cell, job) -> dict:
+        try:
+            return job.result()
+        except Exception as error:  # noqa: BLE001 - the job died before writing a record (killed, out of memory)
+            lines = [line for line in str(error).strip().splitlines() if line.strip()]
+            record = failed_record(self.grid, cell, f"job {job.job_id}: {lines[-1] if lines else type(error).__name__}")
+            _save_record(self.grid, cell, record)
+            return record
+
+
+def _wait_ended(job, seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not job.done() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if not job.done() and getattr(job, "_process", None) is not None:
+        job._process.send_signal(signal.SIGKILL)
+
+
+class SlurmLauncher(SubmititLauncher):
+    """Each cell a SLURM job (sbatch through submitit); returns once all are submitted. The jobs write
+    their records when they finish: `lti matrix --status` follows them, `--collect` builds the tables.
+    Ctrl-C while submitting cancels (scancel) the jobs this run submitted."""
+
+    name, cluster, waits = "slurm", "slurm", False
+
+    def __init__(self, grid: Grid, max_parallel: int = 1, resources: dict[str, dict[str, Any]] | None = None):
+        if shutil.which("srun") is None:  # what submitit looks for, checked before any cell is touched
+            raise ValueError("--launcher slurm: no `srun` on PATH; run it on a SLURM login node")
+        super().__init__(grid, max_parallel, resources)
+
+    def parameters(self, cell: Cell) -> dict[str, Any]:
+        resources = self.resources(cell)
+        parameters: dict[str, Any] = {
+            "name": cell_id(*cell), "timeout_min": resources.get("timeout_min", _SLURM_DEFAULT_TIMEOUT_MIN),
+            "nodes": 1, "tasks_per_node": 1,
+            # The job starts where the grid was launched: configs are relative paths.
+            "slurm_additional_parameters": {"chdir": os.getcwd(), **resources.get("sbatch", {})},
+        }
+        optional = {"cpus_per_task": "cpus", "gpus_per_node": "gpus", "mem_gb": "mem_gb",
+                    "slurm_partition": "partition", "slurm_account": "account", "slurm_setup": "setup"}
+        parameters.update({name: resources[key] for name, key in optional.items() if key in resources})
+        return parameters
+
+    def launch(self, cells, on_start, on_record):
+        submitted = []
+        try:
+            for cell in cells:
+                on_start(cell)
+                submitted.append(self.submit(cell))
+        except BaseException:
+            for job in submitted:
+                job.cancel(check=False)
+            raise
+
+
+#: `--launcher NAME` -> its class.
+LAUNCHERS: dict[str, type[Launcher]] = {launcher.name: launcher for launcher in (InlineLauncher, LocalLauncher, SlurmLauncher)}
+
+
+def make_launcher(name: str, grid: Grid, max_parallel: int = 1,
+                  resources: dict[str, dict[str, Any]] | None = None) -> Launcher:
+    if name not in LAUNCHERS:
+        raise ValueError(f"unknown launcher {name!r}; use one of {list(LAUNCHERS)}")
+    return LAUNCHERS[name](grid, max_parallel, resources)
