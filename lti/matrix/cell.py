@@ -6,7 +6,9 @@ Every launcher ends here (lti.matrix.launchers.execute_cell), in whichever proce
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -31,8 +33,16 @@ def _run_lti(args: list[str]) -> None:
     argv, sys.argv = sys.argv, ["lti"]  # LightningCLI warns when it sees the grid's own arguments
     try:
         run(args)  # errors propagate with their message (`main` would print and exit)
+    except SystemExit as error:
+        # Lightning answers Ctrl-C by ignoring SIGINT from then on and calling sys.exit(1): for the grid
+        # that is an interruption (not the cell's failure), and a second Ctrl-C must work again.
+        if isinstance(error.__context__, KeyboardInterrupt):
+            raise KeyboardInterrupt from None
+        raise
     finally:
         sys.argv = argv
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _base_record(grid: Grid, protocol: Entry, defense: Entry, attack: Entry) -> dict[str, Any]:

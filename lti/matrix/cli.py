@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="print the lti commands of the selected cells still to run, and the time estimate; run nothing")
     args = parser.parse_args(argv)
     try:
+        if args.max_parallel < 1:
+            raise ValueError(f"--max_parallel {args.max_parallel} must be at least 1")
         grid = load_grid(args.grid, args.out_dir)
         only = {"attack": args.attacks, "protocol": args.protocols, "defense": args.defenses}
         if args.status:

@@ -20,6 +20,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -29,7 +30,7 @@ from typing import Any
 
 from lti.matrix.cell import failed_record, run_cell
 from lti.matrix.grid import Entry, Grid, cell_folder, cell_id
-from lti.matrix.records import _save_record
+from lti.matrix.records import _finished, _save_record
 from lti.matrix.resources import cell_resources
 
 Cell = tuple[Entry, Entry, Entry]
@@ -52,6 +53,8 @@ def execute_cell(grid: Grid, cell: Cell, workdir: str | None = None, threads: in
         os.chdir(workdir)
     started, previous = time.time(), None
     if threads is not None:
+        if "torch" not in sys.modules:  # a job's fresh process: BLAS/OpenMP pools start at this size too
+            os.environ.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         import torch
 
         previous = torch.get_num_threads()
@@ -64,7 +67,14 @@ def execute_cell(grid: Grid, cell: Cell, workdir: str | None = None, threads: in
 
             torch.set_num_threads(previous)
     if job is not None:
-        record["job"] = {**job, "host": socket.gethostname(), "pid": os.getpid(), "started": started, "ended": time.time()}
+        import submitit
+
+        try:  # the engine's id of this job (a local job: its controller's process id)
+            job_id = str(submitit.JobEnvironment().job_id)
+        except RuntimeError:  # not inside a submitit job (a direct call)
+            job_id = None
+        record["job"] = {**job, "id": job_id, "host": socket.gethostname(), "pid": os.getpid(),
+                         "started": started, "ended": time.time()}
     _save_record(grid, cell, record)
     return record
 
@@ -91,14 +101,38 @@ def read_job_file(grid: Grid, cell: Cell) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def _pid_alive(pid: int) -> bool:
+def _controller_alive(pid: int) -> bool:
+    """Whether `pid` is still a submitit local controller (a reused process id is not)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # no such process (or no /proc: fall back to asking the kernel)
+        if not Path("/proc").is_dir():
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return False
+            except PermissionError:
+                return True
+            return True
         return False
-    except PermissionError:
-        return True
-    return True
+    return b"submitit.local._local" in cmdline
+
+
+def _children(pid: int) -> list[int]:
+    """Every descendant of `pid` (Linux /proc), deepest last."""
+    found = []
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            kids = [int(k) for k in (task / "children").read_text().split()]
+        except OSError:
+            continue
+        for kid in kids:
+            found += [kid, *_children(kid)]
+    return found
 
 
 def job_states(jobs: list[dict]) -> list[str]:
@@ -109,7 +143,7 @@ def job_states(jobs: list[dict]) -> list[str]:
     for job in jobs:
         if job["launcher"] == "local":
             # A local job's id is its controller's process id; the process is this machine's to ask.
-            states.append("RUNNING" if _pid_alive(int(job["job_id"])) else "ENDED")
+            states.append("RUNNING" if _controller_alive(int(job["job_id"])) else "ENDED")
         else:
             states.append(None)
             slurm[job["job_id"]] = job
@@ -119,7 +153,8 @@ def job_states(jobs: list[dict]) -> list[str]:
 
             handles = [submitit.SlurmJob(job["folder"], job_id) for job_id, job in slurm.items()]  # registers them
             handles[0].watcher.update()  # one sacct call for all of them
-            found = {h.job_id: h.watcher.get_state(h.job_id, mode="cache") for h in handles}
+            # sacct may say "CANCELLED by 1234": the first word is the state
+            found = {h.job_id: (h.watcher.get_state(h.job_id, mode="cache").split() or ["UNKNOWN"])[0] for h in handles}
         except Exception:  # noqa: BLE001 - a status query must never fail the listing
             found = {}
         states = [found.get(job["job_id"], "UNKNOWN") if state is None else state for job, state in zip(jobs, states)]
@@ -170,18 +205,21 @@ class InlineLauncher(Launcher):
 class SubmititLauncher(Launcher):
     """Cells as submitit jobs: one executor (and job folder) per cell, so logs stay with the cell."""
 
-    cluster: str
-
     def executor(self, cell: Cell):
         import submitit
 
         folder = cell_folder(self.grid, *cell) / "job"
         try:
-            executor = submitit.AutoExecutor(folder=folder, cluster=self.cluster)
+            executor = self.executor_class(submitit)(folder=folder)
         except RuntimeError as error:  # e.g. no `srun` on PATH: not on a SLURM cluster
             raise ValueError(f"--launcher {self.name}: {error}") from None
         executor.update_parameters(**self.parameters(cell))
         return executor
+
+    @staticmethod
+    @abstractmethod
+    def executor_class(submitit):
+        ...
 
     @abstractmethod
     def parameters(self, cell: Cell) -> dict[str, Any]:
@@ -202,21 +240,22 @@ class LocalLauncher(SubmititLauncher):
     time, each with its share of the CPU cores unless `cpus` says otherwise. Waits for them all;
     Ctrl-C cancels the running cells (cells not started stay pending for the next run)."""
 
-    name, cluster = "local", "local"
+    name = "local"
+
+    @staticmethod
+    def executor_class(submitit):
+        return submitit.LocalExecutor  # its own parameter names (visible_gpus, setup), not AutoExecutor's
 
     def threads(self, cell: Cell) -> int:
         return self.resources(cell).get("cpus") or max(1, (os.cpu_count() or 1) // self.max_parallel)
 
     def parameters(self, cell: Cell) -> dict[str, Any]:
         resources = self.resources(cell)
-        if "gpus" in resources:
-            gpus = resources["gpus"]
-        else:  # submitit hides the GPUs a local job did not ask for: by default a cell sees them all
-            import torch
-
-            gpus = torch.cuda.device_count()
+        visible = _visible_gpus()
+        gpus = resources.get("gpus", len(visible))  # by default a cell sees every GPU this process sees
+        # No `setup` lines: they would put a shell between submitit's signals (Ctrl-C) and the cell.
         return {"timeout_min": resources.get("timeout_min", _LOCAL_TIMEOUT_MIN), "gpus_per_node": gpus,
-                "name": cell_id(*cell)}
+                "visible_gpus": visible}
 
     def launch(self, cells, on_start, on_record):
         waiting, running = list(cells), []
@@ -238,21 +277,51 @@ class LocalLauncher(SubmititLauncher):
             raise
 
     def _outcome(self, cell: Cell, job) -> dict:
+        """The cell's record once its job ended: the one its process saved, or a "failed" one when the
+        process died before saving any (killed, out of memory) or raised."""
+        saved = _finished(self.grid, *cell, failed_too=True)
+        if saved is not None and (saved.get("job") or {}).get("id") == str(job.job_id):
+            return saved  # this job's own record (even if its process died before writing its result file)
         try:
             return job.result()
-        except Exception as error:  # noqa: BLE001 - the job died before writing a record (killed, out of memory)
-            lines = [line for line in str(error).strip().splitlines() if line.strip()]
-            record = failed_record(self.grid, cell, f"job {job.job_id}: {lines[-1] if lines else type(error).__name__}")
+        except Exception as error:  # noqa: BLE001 - the job died without a record, or raised
+            lines = [line.strip() for line in str(error).splitlines() if line.strip() and not line.strip().startswith("- ")]
+            tail = next((line for line in reversed(lines) if "Error" in line or "Exception" in line),
+                        lines[-1] if lines else type(error).__name__)
+            record = failed_record(self.grid, cell, f"job {job.job_id}: {tail}")
             _save_record(self.grid, cell, record)
             return record
 
 
+def _visible_gpus() -> tuple[int, ...]:
+    """The GPU indices this process may use (CUDA_VISIBLE_DEVICES), so that a local cell asking for N
+    GPUs gets N of these and not physical devices 0..N-1."""
+    mask = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if mask is not None:
+        try:
+            return tuple(int(i) for i in mask.split(",") if i.strip())
+        except ValueError:  # GPU UUIDs: submitit takes indices only; let every cell see them all
+            return ()
+    import torch
+
+    return tuple(range(torch.cuda.device_count()))
+
+
 def _wait_ended(job, seconds: float = 30.0) -> None:
+    """Waits for a cancelled local job; one that does not end in time is killed with its cell's processes
+    (the controller's children, which a killed controller would leave running)."""
     deadline = time.monotonic() + seconds
     while not job.done() and time.monotonic() < deadline:
         time.sleep(0.1)
-    if not job.done() and getattr(job, "_process", None) is not None:
-        job._process.send_signal(signal.SIGKILL)
+    if not job.done():
+        for pid in reversed(_children(int(job.job_id))):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if getattr(job, "_process", None) is not None:
+            job._process.send_signal(signal.SIGKILL)
+            job._process.wait()
 
 
 class SlurmLauncher(SubmititLauncher):
@@ -260,9 +329,15 @@ class SlurmLauncher(SubmititLauncher):
     their records when they finish: `lti matrix --status` follows them, `--collect` builds the tables.
     Ctrl-C while submitting cancels (scancel) the jobs this run submitted."""
 
-    name, cluster, waits = "slurm", "slurm", False
+    name, waits = "slurm", False
+
+    @staticmethod
+    def executor_class(submitit):
+        return lambda folder: submitit.AutoExecutor(folder=folder, cluster="slurm")  # generic + slurm_* names
 
     def __init__(self, grid: Grid, max_parallel: int = 1, resources: dict[str, dict[str, Any]] | None = None):
+        if max_parallel != 1:
+            raise ValueError("--max_parallel is for --launcher local; SLURM runs the submitted cells as the queue allows")
         if shutil.which("srun") is None:  # what submitit looks for, checked before any cell is touched
             raise ValueError("--launcher slurm: no `srun` on PATH; run it on a SLURM login node")
         super().__init__(grid, max_parallel, resources)
@@ -278,6 +353,10 @@ class SlurmLauncher(SubmititLauncher):
         optional = {"cpus_per_task": "cpus", "gpus_per_node": "gpus", "mem_gb": "mem_gb",
                     "slurm_partition": "partition", "slurm_account": "account", "slurm_setup": "setup"}
         parameters.update({name: resources[key] for name, key in optional.items() if key in resources})
+        if "cpus" in resources:  # BLAS/OpenMP pools keep to the job's cores
+            threads = resources["cpus"]
+            parameters["slurm_setup"] = [f"export OMP_NUM_THREADS={threads} MKL_NUM_THREADS={threads}",
+                                         *resources.get("setup", [])]
         return parameters
 
     def launch(self, cells, on_start, on_record):

@@ -96,6 +96,12 @@ def run_grid(grid: Grid, launcher: str | Launcher = "inline", only: dict[str, li
             echo(f"{name(cell)}: {_summary(record)}")
         else:
             todo.append(cell)
+    # A cell whose job (an earlier `lti matrix` run's) still runs or waits in the queue is not started twice.
+    submitted = [(cell, job) for cell in todo if (job := read_job_file(grid, cell)) is not None]
+    for (cell, job), state in zip(submitted, job_states([job for _, job in submitted])):
+        if state in _LIVE_STATES:
+            todo.remove(cell)
+            echo(f"{name(cell)}: already {_JOB_STATES[state]} as {job['launcher']} job {job['job_id']}, skipped")
 
     def on_start(cell) -> None:
         with lock:
@@ -128,31 +134,33 @@ def collect(grid: Grid) -> list[dict]:
 # The engine's job states, in the words of `--status` (SLURM's states; a local job is RUNNING or ENDED).
 _JOB_STATES = {"RUNNING": "running", "COMPLETING": "running", "CONFIGURING": "running",
                "PENDING": "queued", "REQUEUED": "queued", "SUSPENDED": "queued", "UNKNOWN": "submitted"}
+_LIVE_STATES = set(_JOB_STATES)
 
 
 def grid_status(grid: Grid, only: dict[str, list[str]] | None = None) -> list[dict]:
-    """`--status`: per selected cell, {"cell", "status", "job_id", "detail"}. A cell with a record is
-    done, n/a or failed; one without is running, queued or submitted (state unknown: sacct not
-    reachable) while its job (job.json) lives by the engine's account, failed if its SLURM job ended
-    in failure, and pending otherwise (never run, or its job was stopped before it wrote a record)."""
+    """`--status`: per selected cell, {"cell", "status", "job_id", "detail"}. A cell whose job (job.json)
+    lives by the engine's account is running, queued or submitted (state unknown: sacct not
+    reachable), even if an earlier attempt left a failed record; otherwise its record says done, n/a
+    or failed; a cell without either is failed if its SLURM job ended in failure, and pending
+    otherwise (never run, or its job was stopped before it wrote a record)."""
     cells = select_cells(grid, only)
-    records = [_finished(grid, *cell, failed_too=True) for cell in cells]
     jobs = [read_job_file(grid, cell) for cell in cells]
-    waiting = [job for job, record in zip(jobs, records) if job is not None and record is None]
-    states = dict(zip(map(id, waiting), job_states(waiting)))
+    asked = [job for job in jobs if job is not None]
+    states = dict(zip(map(id, asked), job_states(asked)))
     rows = []
-    for cell, record, job in zip(cells, records, jobs):
+    for cell, job in zip(cells, jobs):
+        record = _finished(grid, *cell, failed_too=True)  # read after the job states: a job ending meanwhile counts
+        state = states.get(id(job))
         row = {"cell": cell_id(*cell), "status": "pending", "job_id": job and job["job_id"], "detail": ""}
-        if record is not None:
+        if state in _LIVE_STATES and (record is None or record["status"] == "failed"):
+            row["status"] = _JOB_STATES[state]
+            row["detail"] = f"{job['launcher']} job {job['job_id']}: {state}"
+        elif record is not None:
             row["status"] = {"ok": "done"}.get(record["status"], record["status"])
             row["detail"] = _summary(record)
         elif job is not None:
-            state = states[id(job)]
-            ended = "job ended without a record: it runs again with the grid"
-            row["status"] = _JOB_STATES.get(state, "pending" if state in ("ENDED", "CANCELLED") else "failed")
-            row["detail"] = f"{job['launcher']} job {job['job_id']}: {state}"
-            if row["status"] in ("pending", "failed"):
-                row["detail"] += f" ({ended})"
+            row["status"] = "pending" if state in ("ENDED", "CANCELLED", "COMPLETED") else "failed"
+            row["detail"] = f"{job['launcher']} job {job['job_id']}: {state} (ended without a record; it runs again with the grid)"
         rows.append(row)
     return rows
 

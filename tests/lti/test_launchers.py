@@ -22,6 +22,14 @@ from lti.matrix.resources import cell_resources, parse_resource_flags, parse_res
 from conftest import REPO
 
 
+def _process_state(pid: int) -> str | None:
+    """The kernel's one-letter state of a process (R, S, Z, ...), None if there is no such process."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
 def _by_cell(records):
     return {(r["protocol"], r["defense"], r["attack"]): r for r in records}
 
@@ -107,33 +115,90 @@ def test_local_launcher_runs_cells_as_processes_side_by_side_and_matches_inline(
     assert len(lines) == 4 and all(line.endswith("done before, skipped") for line in lines)
 
 
+@pytest.mark.slow
 def test_local_launcher_ctrl_c_stops_the_running_cells(grid_file, monkeypatch):
-    """Ctrl-C while a cell runs: its process is stopped, no record is written, the cells not started
-    stay pending."""
+    """Ctrl-C while a cell trains in its own process: that process (and its controller) ends, no record
+    is written, and the cells not started stay pending."""
     import lti.matrix.launchers as launchers
 
-    real_sleep, calls = time.sleep, []
-
-    def interrupted_sleep(seconds):
-        calls.append(seconds)
-        if len(calls) == 1:
-            raise KeyboardInterrupt
-        real_sleep(seconds)
-
     grid = load_grid(grid_file)
+    grid.overrides["trainer.max_steps"] = 2000  # long enough to be interrupted while it trains
     launcher = LocalLauncher(grid, max_parallel=1)
-    submitted = []
-    real_submit = launcher.submit
+    submitted, cell_pids = [], []
+    real_submit, real_sleep = launcher.submit, time.sleep
     monkeypatch.setattr(launcher, "submit", lambda cell: submitted.append(real_submit(cell)) or submitted[-1])
-    monkeypatch.setattr(launchers.time, "sleep", interrupted_sleep)
+
+    def sleep_until_training_then_interrupt(seconds):
+        real_sleep(seconds)
+        if submitted and not cell_pids:
+            logs = "".join(p.read_text() for p in submitted[0].paths.folder.glob("*_log.*"))
+            if "Seed set" in logs:  # the cell's `lti fit` is under way
+                cell_pids.extend(launchers._children(int(submitted[0].job_id)))
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(launchers.time, "sleep", sleep_until_training_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
         run_grid(grid, launcher, only={"defense": ["none"]}, echo=lambda _: None)
-    (job,) = submitted
-    assert job.done()  # stopped, not left running
     monkeypatch.setattr(launchers.time, "sleep", real_sleep)
+    (job,) = submitted
+    assert cell_pids and job.done()
+    states = {pid: _process_state(pid) for pid in cell_pids}
+    assert all(state in (None, "Z") for state in states.values()), states  # gone (or a zombie awaiting its reaper)
     assert not list(grid.out_dir.glob("cells/*/cell.json"))
     statuses = {row["cell"]: row["status"] for row in grid_status(grid)}
     assert statuses == dict.fromkeys(statuses, "pending")
+
+
+def test_ctrl_c_inside_a_cell_stops_an_inline_grid(grid_file, monkeypatch):
+    """Lightning answers Ctrl-C with SIGINT ignored and sys.exit(1): the grid stops (KeyboardInterrupt),
+    the cell is not written as failed, and SIGINT works again afterwards."""
+    def interrupted_fit(args):
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            sys.exit(1)
+
+    monkeypatch.setattr("lti.trainer_cli.run", interrupted_fit)
+    grid = load_grid(grid_file)
+    with pytest.raises(KeyboardInterrupt):
+        run_grid(grid, "inline", only={"defense": ["none"]}, echo=lambda _: None)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert not list(grid.out_dir.glob("cells/*/cell.json"))
+
+
+def test_a_cell_whose_job_still_runs_is_not_started_again(grid_file, monkeypatch):
+    """A rerun (e.g. to add an attack) skips cells whose earlier job is still queued or running."""
+    import lti.matrix.launchers as launchers
+    from lti.matrix.launchers import write_job_file
+
+    grid = load_grid(grid_file)
+    cell = next(c for c in grid.cells() if c[1].name == "none" and c[2].name == "dager")
+    write_job_file(grid, cell, "slurm", "77")
+    monkeypatch.setattr("lti.matrix.runner.job_states", lambda jobs: ["PENDING" for _ in jobs])
+    lines: list[str] = []
+    run_grid(grid, "inline", only={"attack": ["dager"]}, echo=lines.append)
+    assert "[1/2] fedsgd x none x dager: already queued as slurm job 77, skipped" in lines
+    assert not (launchers.cell_folder(grid, *cell) / "cell.json").exists()
+    rows = {row["cell"]: row for row in grid_status(grid)}
+    assert rows["fedsgd__none__dager"]["status"] == "queued" and rows["fedsgd__none__dager"]["job_id"] == "77"
+
+
+def test_status_reads_cancelled_slurm_states_and_reused_local_pids(grid_file, fake_slurm, monkeypatch):
+    from lti.matrix.launchers import job_states, write_job_file
+
+    grid = load_grid(grid_file)
+    cell = next(c for c in grid.cells() if c[1].name == "none" and c[2].name == "lti")
+    write_job_file(grid, cell, "local", str(os.getpid()))  # a live process, but not a submitit controller
+    assert job_states([read_job_file(grid, cell)]) == ["ENDED"]
+    assert {row["cell"]: row["status"] for row in grid_status(grid)}["fedsgd__none__lti"] == "pending"
+    write_job_file(grid, cell, "slurm", "12")
+    monkeypatch.setenv("FAKE_SACCT_STATE", "CANCELLED by 1234")  # how sacct words a cancelled job
+    assert job_states([read_job_file(grid, cell)]) == ["CANCELLED"]
+    assert {row["cell"]: row["status"] for row in grid_status(grid)}["fedsgd__none__lti"] == "pending"
+    write_job_file(grid, cell, "slurm", "13")  # another job (submitit keeps the states of ended jobs it read)
+    monkeypatch.setenv("FAKE_SACCT_STATE", "OUT_OF_MEMORY")
+    assert {row["cell"]: row["status"] for row in grid_status(grid)}["fedsgd__none__lti"] == "failed"
 
 
 @pytest.mark.slow
@@ -192,7 +257,7 @@ def fake_slurm(tmp_path, monkeypatch):
         "sbatch": f'n=$(ls {scripts} | wc -l); n=$((n + 1)); cp "$1" {scripts}/$n.sh; echo "Submitted batch job $n"',
         "srun": "exit 0",
         "sacct": 'ids=""; while [ $# -gt 0 ]; do [ "$1" = -j ] && ids="$ids $2"; shift; done\n'
-                 'echo "JobID|State|NodeList"; for id in $(echo $ids | tr , " "); do echo "$id|PENDING|None"; done',
+                 'echo "JobID|State|NodeList"; for id in $(echo $ids | tr , " "); do echo "$id|${FAKE_SACCT_STATE:-PENDING}|None"; done',
         "scancel": f'echo "$@" >> {tmp_path}/scancel.log',
     }
     for name, body in stubs.items():
