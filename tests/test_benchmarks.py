@@ -146,3 +146,21 @@ def test_step_components_benchmark_times_every_component_of_old_and_new_paths(ca
         assert line in out, line
     totals = [float(l.split()[-1]) for l in out.splitlines() if "step total" in l]
     assert len(totals) == 4 and all(t > 0 for t in totals)
+
+
+def test_dager_large_batch_diagnostics_on_a_batch_below_the_width(tiny_gpt2):
+    """benchmarks/dager_large_batch_diagnostics.py on a tiny GPT-2 (d = 32) and two short sentences
+    (10 inputs reach the loss): both ranks stay below the width, the true tokens pass the first-layer
+    test, and with the second-layer span kept whole the true next token is the closest candidate
+    (rank 0), inside the span."""
+    module = load_benchmark("dager_large_batch_diagnostics")
+    seqs = [[5, 17, 42, 8, 99, 3], [7, 17, 250, 61, 12, 4]]
+    update, ids = module.observed_update(tiny_gpt2, seqs, pad_id=0)
+    assert ids.shape == (2, 6)
+    out = module.diagnose(tiny_gpt2, seqs, update, ranks=[31], sequences=2, positions=[1, 3])
+    assert out["reaching_loss"] == 10 and out["distinct_pairs"] == 9 and out["dim"] == 32  # token 17 at position 1 twice
+    assert 0 < out["rank1"] <= 10 and 0 < out["rank2"] <= 10
+    assert out["true_l1_max"] < 1e-3 and all(n >= 1 for n in out["candidates"])
+    table = out["separation"][31]
+    assert set(table) == {1, 3} and all(row["n"] == 2 for row in table.values())
+    assert all(row["true_rank_max"] == 0 and row["true_distance_max"] < 1e-4 for row in table.values())
