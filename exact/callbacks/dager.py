@@ -81,7 +81,6 @@ class DagerCallback(ExactAttackCallback):
             ids = ids[:, None]
             mask = None if mask is None else mask[:, None]
         updates, per_update, length = ids.shape
-        self._say_feasibility(pl_module, pipeline, per_update * length if mask is None else int(mask.sum(dim=(1, 2)).max()))
         count = self._count(updates)
         split = pipeline.split(update[:count])
         tokenizer = getattr(datamodule, "tokenizer", None)
@@ -95,6 +94,7 @@ class DagerCallback(ExactAttackCallback):
                 pipeline.target, {name: grads[u] for name, grads in split.items()},
                 batch_size=per_update, max_length=length,
             )
+            self._say_feasibility(pl_module, pipeline, result.diagnostics, attack.min_codimension)
             scores = score_batch(
                 result.sequences, ids[u].cpu(), None if mask is None else mask[u].cpu(), decode, result.exact
             )
@@ -118,15 +118,16 @@ class DagerCallback(ExactAttackCallback):
         if self.log_samples and isinstance(getattr(pl_module, "samples", None), list):
             self._add_samples(pl_module.samples, batch, records, updates)
 
-    def _say_feasibility(self, pl_module: LightningModule, pipeline: Any, tokens: int) -> None:
-        """Once per run, before the first attack: why exact recovery may be impossible here (console and
-        the metrics file's `notes`)."""
+    def _say_feasibility(self, pl_module: LightningModule, pipeline: Any, diagnostics: dict, min_codimension: int) -> None:
+        """Once per run, after the first attack: why exact recovery may be impossible here, from what the
+        server has (the width, the defense, the update's ranks) (console and the metrics file's `notes`)."""
         if getattr(self, "_feasibility_said", False):
             return
         self._feasibility_said = True
         target = pipeline.target
         width = getattr(target, "hidden_size", None) or target.embedding_matrix.shape[1]
-        notes = [f"DAGER: {note}" for note in feasibility_notes(tokens, int(width), pipeline.defense.describe())]
+        notes = [f"DAGER: {note}" for note in feasibility_notes(
+            int(width), pipeline.defense.describe(), diagnostics.get("rank1"), diagnostics.get("rank2"), min_codimension)]
         for note in notes:
             print(f"lti: note: {note}")
         if notes and isinstance(getattr(pl_module, "run_notes", None), list):

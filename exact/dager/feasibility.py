@@ -3,7 +3,10 @@
 DAGER reads the span of the first attention layer's weight gradient: a sum of one outer product per
 input token, so its rank is at most min(tokens, width). With as many tokens in an update as the
 model is wide, the span is the whole space and every token passes the span check: exact recovery
-is impossible (DAGER, Petrov et al., §4: B·L < d). Defenses that act coordinate-wise (sign, pruning,
+is impossible (DAGER, Petrov et al., §4: B·L < d). The second layer's inputs are the tokens in
+context (one per token, duplicates included), so its span fills up first: at GPT-2 width 768 and
+B = 64 WikiText sentences, 1,388 inputs make it rank 767 while the first layer stays at 522
+(benchmarks/results/dager_cpu.md). The notes read the ranks from the update, as the server can. Defenses that act coordinate-wise (sign, pruning,
 noise) leave a matrix that is no longer in the span of the inputs, so exactness is not expected
 either. The attack still runs (its best effort is a result); these notes say why it may fall short.
 """
@@ -15,12 +18,24 @@ SPAN_BREAKING = {"sign": "signs every coordinate", "prune": "zeroes all but the 
                  "gaussian": "adds noise to every coordinate", "dpsgd": "clips and adds noise to every coordinate"}
 
 
-def feasibility_notes(tokens_per_update: int, width: int, defense: dict | None = None) -> list[str]:
-    """One sentence per reason exact recovery is impossible or unlikely (empty: nothing stands in the way)."""
+def feasibility_notes(width: int, defense: dict | None = None, rank1: int | None = None, rank2: int | None = None,
+                      min_codimension: int = 4) -> list[str]:
+    """One sentence per reason exact recovery is impossible or unlikely (empty: nothing stands in the way).
+
+    Reads only what the server has: the model's width, the protocol's defense, and the numerical ranks
+    of the update's first- and second-layer gradients (`DagerResult.diagnostics` "rank1"/"rank2"), never
+    the client's token count. A first-layer span of full rank lets every token pass; a second-layer span
+    within `min_codimension` of full (more second-layer inputs, one per token in context, than the
+    width) lets any sequence pass, so no sequence can be told apart or certified.
+    """
     notes = []
-    if tokens_per_update >= width:
-        notes.append(f"an update holds {tokens_per_update} tokens but the model is {width} wide: the first layer's "
-                     f"gradient has full rank, so exact recovery is impossible (needs fewer tokens than the width)")
+    if rank1 is not None and rank1 >= width:
+        notes.append(f"the first layer's gradient has full rank ({rank1} of width {width}, read from the update): "
+                     "every token passes the span test, so exact recovery is impossible (needs fewer tokens than the width)")
+    elif rank2 is not None and rank2 > width - min_codimension:
+        notes.append(f"the second-layer gradient has rank {rank2} of width {width} (read from the update): more "
+                     "tokens in context than the width, so the second-layer test cannot tell sequences apart and "
+                     "nothing can be certified; the result is a best effort")
     parts = (defense or {}).get("defenses", [defense or {}])  # Compose lists its parts
     for part in parts:
         name = part.get("name") if isinstance(part, dict) else None

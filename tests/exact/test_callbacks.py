@@ -47,20 +47,25 @@ def test_dager_says_once_when_exactness_is_impossible_and_records_it(make_config
     })
     main(["test", "--config", str(config)])
     out = capsys.readouterr().out
-    width_note = "lti: note: DAGER: an update holds 16 tokens but the model is 16 wide"
+    width_note = "lti: note: DAGER: the first layer's gradient has full rank (16 of width 16, read from the update)"
     assert out.count(width_note) == 1
     assert out.count("lti: note: DAGER: the defense sign signs every coordinate") == 1
     notes = json.loads((tmp_path / "run" / "test_metrics.json").read_text())["notes"]
-    assert len(notes) == 2 and notes[0].startswith("DAGER: an update holds 16 tokens")
+    assert len(notes) == 2 and notes[0].startswith("DAGER: the first layer's gradient has full rank")
 
 
 def test_feasibility_notes_name_each_reason():
     from exact.dager.feasibility import feasibility_notes
 
-    assert feasibility_notes(15, 16, {"name": "none"}) == []
-    assert len(feasibility_notes(16, 16, None)) == 1
+    assert feasibility_notes(16, {"name": "none"}, rank1=15, rank2=12) == []
+    (full,) = feasibility_notes(16, None, rank1=16, rank2=16)
+    assert "first layer's gradient has full rank (16 of width 16" in full
+    # The first layer below the width, the second (tokens in context) within min_codimension of it.
+    (second,) = feasibility_notes(768, None, rank1=522, rank2=767)
+    assert "second-layer gradient has rank 767 of width 768" in second and "best effort" in second
+    assert feasibility_notes(768, None, rank1=522, rank2=764) == []  # 4 dimensions to spare: the test can work
     composed = {"name": "compose", "defenses": [{"name": "prune", "fraction_removed": 0.9}, {"name": "gaussian", "sigma": 0.1}]}
-    notes = feasibility_notes(4, 16, composed)
+    notes = feasibility_notes(16, composed)
     assert len(notes) == 2 and "prune" in notes[0] and "gaussian" in notes[1]
 
 
