@@ -12,7 +12,11 @@ WikiText-2 validation sentences of 4-32 tokens as in `benchmarks/dager_benchmark
 * the second-layer separation DAGER's prefix search needs, with the layer-2 span truncated to r
   directions (`--ranks`): for true prefixes of the first `--sequences` sentences at several positions,
   the true next token's layer-2 distance relative to the median over all first-layer candidates, the
-  best other candidate's, and the true token's rank among the candidates (0: it is the closest).
+  best other candidate's, and the true token's rank among the candidates (0: it is the closest);
+* with `--beam W`: DAGER's ranked prefix search (`exact.dager.causal.causal_search`, beam W, mean
+  layer-2 distance, the span truncated to `--beam_rank` directions) over the first-layer candidates:
+  how many true k-token prefixes survive k steps, and how many whole sentences (minus their last
+  token, a label only) it returns.
 
     OMP_NUM_THREADS=1 python benchmarks/dager_large_batch_diagnostics.py --batch_size 64 --offset 112
 
@@ -36,7 +40,10 @@ from dager_benchmark import DEFAULT_DATA, batch_of, gpt2_tokenizer, model, sente
 
 from datamodules.federated import FedSGDClient, Hashing, NoDefense, ParameterSelection, UpdatePipeline  # noqa: E402
 from exact import find_layers  # noqa: E402
+from exact import Dager  # noqa: E402
+from exact.dager.causal import causal_search  # noqa: E402
 from exact.dager.probe import _SecondLayer  # noqa: E402
+from exact.dager.run import _DagerRun  # noqa: E402
 from exact.dager.span import span_basis, token_distances  # noqa: E402
 
 
@@ -93,12 +100,35 @@ def diagnose(target, seqs: list[list[int]], update: dict, ranks: list[int], sequ
     return out
 
 
+def ranked_beam(target, seqs: list[list[int]], update: dict, beam: int, rank: int, steps: list[int],
+                l1_threshold: float = 1e-3) -> dict:
+    """DAGER's ranked prefix search on this update: {"prefixes": {k: (true k-prefixes, kept)}, "whole": n}."""
+    layers = find_layers(target)
+    basis1 = span_basis(layers.first.input_space(update, "qkv"), 1e-6)
+    basis2 = span_basis(layers.second.input_space(update, "qkv"), 1e-6).with_rank(rank)
+    length = max(len(s) for s in seqs)
+    dist1 = token_distances(basis1, layers.inputs, list(range(length - 1)))
+    candidates = [torch.nonzero(row < l1_threshold).flatten() for row in dist1]
+    run = _DagerRun(Dager(), target, layers, update, len(seqs), length, {})
+    out: dict = {"prefixes": {}}
+    for k in [*steps, length - 1]:
+        found, _ = causal_search(run, _SecondLayer(target, layers, basis2, 16384), candidates, k, beam=beam)
+        if k == length - 1:
+            out["whole"] = sum(any(tuple(f[: len(s) - 1]) == tuple(s[:-1]) for f in found) for s in seqs)
+        else:
+            true = {tuple(s[:k]) for s in seqs if len(s) > k}
+            out["prefixes"][k] = (len(true), len(true & {tuple(f) for f in found}))
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
     parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--offset", type=int, default=112, help="first sentence of the batch (112: gpt2-B64's)")
-    parser.add_argument("--ranks", type=int, nargs="+", default=[700], help="layer-2 span truncations to test")
+    parser.add_argument("--ranks", type=int, nargs="*", default=[700], help="layer-2 span truncations to test")
+    parser.add_argument("--beam", type=int, default=0, help="also run the ranked prefix search with this beam")
+    parser.add_argument("--beam_rank", type=int, default=700, help="layer-2 directions kept for the beam search")
     parser.add_argument("--sequences", type=int, default=24, help="sentences whose prefixes are tested")
     parser.add_argument("--positions", type=int, nargs="+", default=[1, 3, 6, 10, 15, 20, 25])
     args = parser.parse_args(argv)
@@ -122,6 +152,13 @@ def main(argv: list[str] | None = None) -> dict:
         for p, row in table.items():
             print(f"| {p} | {row['n']} | {row['true']:.3f} / {row['true_max']:.3f} | "
                   f"{row['best_other']:.3f} / {row['best_other_min']:.3f} | {row['true_rank_max']} |")
+    if args.beam:
+        beam = ranked_beam(target, seqs, update, args.beam, args.beam_rank, [1, 2, 4, 8])
+        print(f"\nranked prefix search, beam {args.beam}, layer-2 span truncated to {args.beam_rank} directions:")
+        for k, (true, kept) in beam["prefixes"].items():
+            print(f"  after {k} steps: {kept} of {true} true {k}-token prefixes in the beam")
+        print(f"  whole sentences (minus the last token) returned: {beam['whole']} of {len(seqs)}")
+        out["beam"] = beam
     return out
 
 

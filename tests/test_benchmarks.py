@@ -164,3 +164,14 @@ def test_dager_large_batch_diagnostics_on_a_batch_below_the_width(tiny_gpt2):
     table = out["separation"][31]
     assert set(table) == {1, 3} and all(row["n"] == 2 for row in table.values())
     assert all(row["true_rank_max"] == 0 and row["true_distance_max"] < 1e-4 for row in table.values())
+
+
+def test_dager_ranked_beam_diagnostic_recovers_a_small_batch(tiny_gpt2):
+    """The `--beam` part of benchmarks/dager_large_batch_diagnostics.py: below the width, with the
+    second-layer span kept whole, the ranked prefix search keeps every true prefix and returns both
+    sentences (minus their last token)."""
+    module = load_benchmark("dager_large_batch_diagnostics")
+    seqs = [[5, 17, 42, 8, 99, 3], [7, 17, 250, 61, 12, 4]]
+    update, _ = module.observed_update(tiny_gpt2, seqs, pad_id=0)
+    out = module.ranked_beam(tiny_gpt2, seqs, update, beam=8, rank=31, steps=[1, 2])
+    assert out["prefixes"] == {1: (2, 2), 2: (2, 2)} and out["whole"] == 2
