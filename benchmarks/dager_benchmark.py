@@ -229,15 +229,15 @@ def context(kind: str, data: dict, gpt2_tok) -> Context:
     if kind in data:
         return data[kind]
     if kind == "gpt2":
-        ctx = Context(data["sentences"], gpt2_tok.eos_token_id, gpt2_tok.decode, Dager(), 32)
+        ctx = Context(data["sentences"], gpt2_tok.eos_token_id, gpt2_tok.decode, Dager(**data["dager"]), 32)
     elif kind == "t3":
-        ctx = Context(data["blocks"], gpt2_tok.eos_token_id, gpt2_tok.decode, Dager(), 16)
+        ctx = Context(data["blocks"], gpt2_tok.eos_token_id, gpt2_tok.decode, Dager(**data["dager"]), 16)
     elif kind == "smollm2":  # its own BPE tokenizer (saved with the cached copy); sentences as for GPT-2
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(model("smollm2", False).pretrained)
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        ctx = Context(sentences(data["path"], tok), pad, tok.decode, Dager(), 32)
+        ctx = Context(sentences(data["path"], tok), pad, tok.decode, Dager(**data["dager"]), 32)
     else:  # MiniLM: its own uncased WordPiece tokenizer; sentences end with [SEP]
         from transformers import AutoTokenizer
 
@@ -250,7 +250,7 @@ def context(kind: str, data: dict, gpt2_tok) -> Context:
                     if 6 <= len(ids) <= 32:
                         pool.append(ids)
         decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
-        ctx = Context(pool, tok.pad_token_id, decode, Dager(eos_token_id=tok.sep_token_id), 32)
+        ctx = Context(pool, tok.pad_token_id, decode, Dager(**{"eos_token_id": tok.sep_token_id, **data["dager"]}), 32)
     data[kind] = ctx
     return ctx
 
@@ -302,12 +302,23 @@ def main(argv=None) -> None:
     parser.add_argument("--batches", type=int, default=None, help="client updates per row (overrides --scale)")
     parser.add_argument("--rows", nargs="*", default=None, help="row names to run (default: all)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dager", nargs="*", default=[], metavar="OPTION=VALUE",
+                        help="DAGER options other than the defaults, e.g. relaxed_span_fraction=0.91")
     args = parser.parse_args(argv)
     if not args.data.exists():
         raise SystemExit(f"{args.data} not found; pass --data with a WikiText-2 valid.txt")
     torch.manual_seed(args.seed)
     tokenizer = gpt2_tokenizer()
-    data = {"sentences": sentences(args.data, tokenizer), "blocks": blocks(args.data, tokenizer), "path": args.data}
+    import yaml
+
+    options = {}
+    for item in args.dager:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--dager {item!r}: expected OPTION=VALUE")
+        options[key] = yaml.safe_load(value)
+    data = {"sentences": sentences(args.data, tokenizer), "blocks": blocks(args.data, tokenizer), "path": args.data,
+            "dager": options}
     rows = default_rows(args.scale)
     for kind, packages in OPTIONAL.items():
         if any(importlib.util.find_spec(p) is None for p in packages):

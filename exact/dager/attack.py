@@ -46,6 +46,7 @@ class Dager:
         relaxed: bool = True,
         relaxed_top_k: int | None = None,
         relaxed_presence: float = 0.8,
+        relaxed_span_fraction: float = 0.91,
         use_cache: bool = True,
         recover_last_token: bool = True,
         last_token_tol: float = 1e-3,
@@ -80,6 +81,11 @@ class Dager:
             relaxed_top_k: Candidates per position in relaxed mode (default: the batch size, at least 2).
             relaxed_presence: Relaxed mode: a position holds a token when its best first-layer distance is
                 below this fraction of the vocabulary's median distance there (sets the length).
+            relaxed_span_fraction: Relaxed mode: the second-layer span keeps at most this fraction of the width
+                d. A (nearly) full span (more tokens in context than d) puts every candidate at distance ~0;
+                its top directions still rank the true continuation first for the first positions of a
+                sentence (benchmarks/results/dager_cpu.md: at 0.91, GPT-2 B = 64 ROUGE-1 26% instead of 19%,
+                transformer3 B = 8 31% instead of 21%). 1.0: d - 1 directions (before 2026-11-24).
             use_cache: Use a key/value cache for the causal prefix search where the model supports it.
             recover_last_token: Recover each sequence's final token (a label only) from the final-norm gradient.
             last_token_tol: Relative residual of the final-norm gradient below which the last tokens are exact.
@@ -117,6 +123,9 @@ class Dager:
         self.relaxed = bool(relaxed)
         self.relaxed_top_k = relaxed_top_k
         self.relaxed_presence = float(relaxed_presence)
+        if not 0.0 < relaxed_span_fraction <= 1.0:
+            raise ValueError(f"DAGER relaxed_span_fraction={relaxed_span_fraction} must be in (0, 1]")
+        self.relaxed_span_fraction = float(relaxed_span_fraction)
         self.use_cache = bool(use_cache)
         self.recover_last_token = bool(recover_last_token)
         self.last_token_tol = float(last_token_tol)

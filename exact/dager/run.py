@@ -93,7 +93,8 @@ class _DagerRun:
         if not config.relaxed or min(r1, r2, d - 1) <= 0:
             return degenerate(diag, diag.get("reason", "no sequence passed the span tests"))
         # Best effort: the span truncated below d, tokens ranked by distance instead of thresholded.
-        basis1, basis2 = basis1.with_rank(min(r1, d - 1)), basis2.with_rank(min(r2, d - 1))
+        span2 = max(1, min(r2, d - 1, int(config.relaxed_span_fraction * d)))
+        basis1, basis2 = basis1.with_rank(min(r1, d - 1)), basis2.with_rank(span2)
         diag.update(relaxed_rank1=basis1.rank, relaxed_rank2=basis2.rank)
         return self._relaxed(basis1, basis2)
 

@@ -303,6 +303,21 @@ def test_more_tokens_than_dimensions():
     _check_not_exact(result)
 
 
+def test_relaxed_mode_keeps_a_fraction_of_a_full_second_layer_span():
+    """With more tokens than the width the second-layer span is full; the best effort ranks candidates
+    against its top `relaxed_span_fraction * d` directions (a span of d - 1 would put every candidate
+    at distance ~0)."""
+    target = transformer3(hidden=16)
+    ids, _ = random_batch(3, 8, seed=8)
+    update = client_update(target, ids)
+    default = Dager().attack(target, update, batch_size=3, max_length=8)
+    assert default.diagnostics["rank2"] >= 15 and default.diagnostics["relaxed_rank2"] == int(0.91 * 16)
+    whole = Dager(relaxed_span_fraction=1.0).attack(target, update, batch_size=3, max_length=8)
+    assert whole.diagnostics["relaxed_rank2"] == 15
+    with pytest.raises(ValueError, match="relaxed_span_fraction"):
+        Dager(relaxed_span_fraction=0.0)
+
+
 def test_non_finite_and_noise_updates():
     target = gpt2()
     ids, _ = random_batch(1, 6, seed=9)
