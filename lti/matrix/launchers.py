@@ -28,6 +28,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+# At import, not per call: submitit binds its log handlers to the sys.stdout/stderr of the moment it is
+# first imported, which must not be a stream that is later closed (a test's captured output).
+import submitit
+
 from lti.matrix.cell import failed_record, run_cell
 from lti.matrix.grid import Entry, Grid, cell_folder, cell_id
 from lti.matrix.records import _finished, _save_record
@@ -67,8 +71,6 @@ def execute_cell(grid: Grid, cell: Cell, workdir: str | None = None, threads: in
 
             torch.set_num_threads(previous)
     if job is not None:
-        import submitit
-
         try:  # the engine's id of this job (a local job: its controller's process id)
             job_id = str(submitit.JobEnvironment().job_id)
         except RuntimeError:  # not inside a submitit job (a direct call)
@@ -149,8 +151,6 @@ def job_states(jobs: list[dict]) -> list[str]:
             slurm[job["job_id"]] = job
     if slurm:
         try:
-            import submitit
-
             handles = [submitit.SlurmJob(job["folder"], job_id) for job_id, job in slurm.items()]  # registers them
             handles[0].watcher.update()  # one sacct call for all of them
             # sacct may say "CANCELLED by 1234": the first word is the state
@@ -206,11 +206,9 @@ class SubmititLauncher(Launcher):
     """Cells as submitit jobs: one executor (and job folder) per cell, so logs stay with the cell."""
 
     def executor(self, cell: Cell):
-        import submitit
-
         folder = cell_folder(self.grid, *cell) / "job"
         try:
-            executor = self.executor_class(submitit)(folder=folder)
+            executor = self.make_executor(folder)
         except RuntimeError as error:  # e.g. no `srun` on PATH: not on a SLURM cluster
             raise ValueError(f"--launcher {self.name}: {error}") from None
         executor.update_parameters(**self.parameters(cell))
@@ -218,7 +216,7 @@ class SubmititLauncher(Launcher):
 
     @staticmethod
     @abstractmethod
-    def executor_class(submitit):
+    def make_executor(folder: Path):
         ...
 
     @abstractmethod
@@ -243,8 +241,8 @@ class LocalLauncher(SubmititLauncher):
     name = "local"
 
     @staticmethod
-    def executor_class(submitit):
-        return submitit.LocalExecutor  # its own parameter names (visible_gpus, setup), not AutoExecutor's
+    def make_executor(folder: Path):
+        return submitit.LocalExecutor(folder=folder)  # its own parameter names (visible_gpus), not AutoExecutor's
 
     def threads(self, cell: Cell) -> int:
         return self.resources(cell).get("cpus") or max(1, (os.cpu_count() or 1) // self.max_parallel)
@@ -332,8 +330,8 @@ class SlurmLauncher(SubmititLauncher):
     name, waits = "slurm", False
 
     @staticmethod
-    def executor_class(submitit):
-        return lambda folder: submitit.AutoExecutor(folder=folder, cluster="slurm")  # generic + slurm_* names
+    def make_executor(folder: Path):
+        return submitit.AutoExecutor(folder=folder, cluster="slurm")  # generic names + slurm_* ones
 
     def __init__(self, grid: Grid, max_parallel: int = 1, resources: dict[str, dict[str, Any]] | None = None):
         if max_parallel != 1:
