@@ -12,7 +12,7 @@ import threading
 import time
 from typing import Any
 
-from lti.matrix.grid import METRICS, Entry, Grid, cell_commands, cell_fingerprint, cell_folder
+from lti.matrix.grid import METRICS, Entry, Grid, cell_commands, cell_fingerprint, cell_folder, not_applicable
 
 
 def _find(tree: Any, key: str) -> Any:
@@ -61,7 +61,7 @@ def run_cell(grid: Grid, protocol: Entry, defense: Entry, attack: Entry) -> dict
     folder = cell_folder(grid, protocol, defense, attack)
     folder.mkdir(parents=True, exist_ok=True)
     record = _base_record(grid, protocol, defense, attack)
-    reason = attack.not_applicable.get(protocol.name) or attack.not_applicable.get(defense.name)
+    reason = not_applicable(protocol, defense, attack)
     if reason:
         return {**record, "status": "n/a", "reason": reason}
     commands = cell_commands(grid, protocol, defense, attack)

@@ -117,6 +117,11 @@ def cell_id(protocol: Entry, defense: Entry, attack: Entry) -> str:
     return f"{protocol.name}__{defense.name}__{attack.name}"
 
 
+def not_applicable(protocol: Entry, defense: Entry, attack: Entry) -> str | None:
+    """The grid's reason the attack does not apply to this protocol or defense (None: it applies)."""
+    return attack.not_applicable.get(protocol.name) or attack.not_applicable.get(defense.name)
+
+
 def cell_folder(grid: Grid, protocol: Entry, defense: Entry, attack: Entry) -> Path:
     """Where one cell's run, checkpoint, log and `cell.json` record live."""
     return grid.out_dir / "cells" / cell_id(protocol, defense, attack)

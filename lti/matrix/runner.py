@@ -4,12 +4,11 @@ remaining-time estimate from finished cells."""
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
 
 from lti.matrix.cell import run_cell
-from lti.matrix.grid import METRICS, Entry, Grid, cell_commands, cell_id, select_cells
+from lti.matrix.grid import METRICS, Entry, Grid, cell_commands, cell_id, not_applicable, select_cells
 from lti.matrix.launchers import Launcher, job_states, make_launcher, read_job_file
 from lti.matrix.records import FINISHED_STATUSES, _finished, _save_record, importable_records
 from lti.matrix.report import write_outputs
@@ -32,7 +31,7 @@ def estimate_remaining(finished: list[dict], pending: list[tuple[Entry, Entry, E
                 times.setdefault(key, []).append(float(record["seconds"]))
     total, unknown = 0.0, 0
     for protocol, defense, attack in pending:
-        if attack.not_applicable.get(protocol.name) or attack.not_applicable.get(defense.name):
+        if not_applicable(protocol, defense, attack):
             continue
         seen = times.get((protocol.name, attack.kind)) or times.get(("*", attack.kind))
         if seen:
@@ -80,7 +79,6 @@ def run_grid(grid: Grid, launcher: str | Launcher = "inline", only: dict[str, li
     # Finished records, read once and kept up to date: the time estimate needs all of them per cell.
     done = {cell_id(*c): r for c in grid.cells() if (r := _finished(grid, *c)) is not None}
     numbers = {cell_id(*cell): number for number, cell in enumerate(cells, 1)}
-    lock = threading.Lock()
 
     def name(cell) -> str:
         return f"[{numbers[cell_id(*cell)]}/{len(cells)}] {cell[0].name} x {cell[1].name} x {cell[2].name}"
@@ -89,7 +87,7 @@ def run_grid(grid: Grid, launcher: str | Launcher = "inline", only: dict[str, li
     for cell in cells:
         if cell_id(*cell) in done:
             echo(f"{name(cell)}: done before, skipped")
-        elif cell[2].not_applicable.get(cell[0].name) or cell[2].not_applicable.get(cell[1].name):
+        elif not_applicable(*cell):
             record = run_cell(grid, *cell)  # "n/a" with the grid's reason, at once: no job for a cell never run
             _save_record(grid, cell, record)
             done[cell_id(*cell)] = record
@@ -103,18 +101,19 @@ def run_grid(grid: Grid, launcher: str | Launcher = "inline", only: dict[str, li
             todo.remove(cell)
             echo(f"{name(cell)}: already {_JOB_STATES[state]} as {job['launcher']} job {job['job_id']}, skipped")
 
+    # Launchers call these from this thread (the local one polls its jobs here): no lock needed.
     def on_start(cell) -> None:
-        with lock:
-            pending = [c for c in todo[todo.index(cell):] if cell_id(*c) not in done]
-            seconds, unknown = estimate_remaining(list(done.values()), pending)
-            verb = "running ..." if launcher.waits else "submitting ..."
-            echo(f"{name(cell)}: {verb}{_eta_text((seconds / launcher.max_parallel, unknown)) if launcher.waits else ''}")
+        if not launcher.waits:
+            echo(f"{name(cell)}: submitting ...")
+            return
+        pending = [c for c in todo[todo.index(cell):] if cell_id(*c) not in done]
+        seconds, unknown = estimate_remaining(list(done.values()), pending)
+        echo(f"{name(cell)}: running ...{_eta_text((seconds / launcher.max_parallel, unknown))}")
 
     def on_record(cell, record: dict) -> None:
-        with lock:
-            if record["status"] in FINISHED_STATUSES:
-                done[cell_id(*cell)] = record
-            echo(f"{name(cell)}: {_summary(record)}")
+        if record["status"] in FINISHED_STATUSES:
+            done[cell_id(*cell)] = record
+        echo(f"{name(cell)}: {_summary(record)}")
 
     launcher.launch(todo, on_start, on_record)
     if not launcher.waits:
@@ -175,7 +174,7 @@ def plan_grid(grid: Grid, only: dict[str, list[str]] | None = None, resume_from:
     pending = []
     for protocol, defense, attack in select_cells(grid, only):
         key = cell_id(protocol, defense, attack)
-        reason = attack.not_applicable.get(protocol.name) or attack.not_applicable.get(defense.name)
+        reason = not_applicable(protocol, defense, attack)
         if reason:
             echo(f"# {key}: n/a ({reason})")
         elif finished[key] is not None:
