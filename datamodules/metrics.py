@@ -4,7 +4,8 @@ Text: position-wise token accuracy over the reference's real tokens and ROUGE-1/
 `rouge_score` (Porter stemmer on), as in the LTI paper. An exact attack recovers an unordered set of
 sequences (a gradient has no batch order), so its predictions are first matched one-to-one to the
 references (Hungarian assignment on position-wise token agreement, ties broken by unigram overlap);
-learned reconstructions of m > 1 images are matched per update on the per-sample MSE. Images: PSNR
+learned reconstructions of m > 1 images are matched per update on the per-sample MSE, of m > 1
+sequences on position-wise agreement (`match_sequences`). Images: PSNR
 (dB) and SSIM (torchmetrics); tables: one-hot argmax accuracy of the discrete columns.
 torchmetrics `Metric`s keep summed states, so DDP reduction is exact. No Lightning.
 """
@@ -204,15 +205,38 @@ def discrete_accuracy(preds: Tensor, targets: Tensor, columns: Sequence[slice]) 
     return hits.float().mean(dim=1)
 
 
+def assign(cost: Tensor) -> Tensor:
+    """(U, m, m) costs of prediction i against reference j -> (U, m) order: order[u, i] is the
+    reference matched to prediction i, one-to-one, minimising each update's total cost (Hungarian)."""
+    from scipy.optimize import linear_sum_assignment
+
+    cost = cost.detach().float().cpu().numpy()
+    order = torch.empty(cost.shape[:2], dtype=torch.long)
+    for u in range(cost.shape[0]):
+        rows, cols = linear_sum_assignment(cost[u])  # prediction rows[i] -> reference cols[i]
+        order[u, torch.as_tensor(rows)] = torch.as_tensor(cols)
+    return order
+
+
+def reorder(values: Tensor, order: Tensor) -> Tensor:
+    """values (U, m, ...) -> values[u, order[u, i]] at (u, i)."""
+    index = order.to(values.device).view(*order.shape, *[1] * (values.dim() - 2)).expand_as(values)
+    return values.gather(1, index)
+
+
 def match_samples(preds: Tensor, targets: Tensor) -> Tensor:
     """Reorder each update's m reconstructions to best match its references (Hungarian on per-sample MSE)."""
     if preds.shape[1] == 1:
         return preds
-    from scipy.optimize import linear_sum_assignment
+    cost = torch.cdist(preds.detach().flatten(2).float(), targets.flatten(2).float()).pow(2)
+    # assign() gives each prediction its reference; here each reference needs its prediction.
+    return reorder(preds, assign(cost.transpose(1, 2)))
 
-    cost = torch.cdist(preds.detach().flatten(2).float(), targets.flatten(2).float()).pow(2).cpu().numpy()
-    order = torch.empty(preds.shape[:2], dtype=torch.long)
-    for u in range(cost.shape[0]):
-        rows, cols = linear_sum_assignment(cost[u])  # prediction rows[i] -> reference cols[i]
-        order[u, torch.as_tensor(cols)] = torch.as_tensor(rows)
-    return preds.gather(1, order.to(preds.device).view(*order.shape, *[1] * (preds.dim() - 2)).expand_as(preds))
+
+def match_sequences(preds: Tensor, targets: Tensor, mask: Tensor) -> Tensor:
+    """(U, m, L) predicted and true token ids (+ mask) -> the reference order (U, m) that pairs each
+    predicted sequence with one true sequence, maximising the update's position-wise agreement (ties:
+    lower reference index). A gradient of m sequences has no order, so learned reconstructions are
+    scored as the exact attacks' are (`match`)."""
+    agree = ((preds.unsqueeze(2) == targets.unsqueeze(1)) & mask.bool().unsqueeze(1)).sum(-1)  # (U, m_pred, m_ref)
+    return assign(-agree.float())

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from datamodules.metrics import assign, reorder
+
 
 def position_loss(logits: Tensor, target: Tensor, mask: Tensor) -> Tensor:
     """Mean cross-entropy over the unmasked positions: logits (U, P, V), target and mask (U, P).
@@ -19,6 +21,32 @@ def position_loss(logits: Tensor, target: Tensor, mask: Tensor) -> Tensor:
         logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none"
     ).view(target.shape)
     return (per_position * mask).sum() / mask.sum().clamp_min(1)
+
+
+def sequence_costs(logits: Tensor, targets: Tensor, mask: Tensor, sequences: int) -> Tensor:
+    """(U, m, m): the summed cross-entropy of predicted sequence i against true sequence j, for logits
+    (U, m*L, C) and target/mask (U, m*L)."""
+    updates, positions, classes = logits.shape
+    length = positions // sequences
+    log_probs = logits.detach().float().log_softmax(-1).view(updates, sequences, 1, length, classes)
+    index = targets.view(updates, 1, sequences, length, 1).expand(updates, sequences, sequences, length, 1)
+    nll = -log_probs.expand(updates, sequences, sequences, length, classes).gather(-1, index).squeeze(-1)
+    return (nll * mask.view(updates, 1, sequences, length)).sum(-1)
+
+
+def matched_targets(logits: Tensor, targets: Tensor, mask: Tensor, sequences: int) -> tuple[Tensor, Tensor]:
+    """Targets and mask (U, m*L) with each update's m true sequences reordered to the predicted
+    sequences they fit best (least total cross-entropy, Hungarian). An update of m sequences is
+    the same whatever their order, so an ordered target would ask the inverter to guess the order;
+    matched, the loss is the least over the m! orders (tested against that loop), as in set
+    prediction. The assignment is a choice, not a function the gradient flows through."""
+    if sequences == 1:
+        return targets, mask
+    updates = targets.shape[0]
+    order = assign(sequence_costs(logits, targets, mask, sequences))
+    shape = (updates, sequences, -1)
+    return (reorder(targets.view(shape), order).reshape(updates, -1),
+            reorder(mask.view(shape), order).reshape(updates, -1))
 
 
 class InverterLoss:
@@ -40,14 +68,16 @@ class InverterLoss:
         self.negatives = negatives
 
     def __call__(self, inverter, features: Tensor, targets: Tensor, mask: Tensor, training: bool,
-                 generator: torch.Generator | None = None) -> tuple[Tensor, Tensor | None]:
-        """Returns (loss, full logits (U, P, V) or None when the loss was sampled)."""
+                 generator: torch.Generator | None = None, sequences: int = 1) -> tuple[Tensor, Tensor | None]:
+        """Returns (loss, full logits (U, P, V) or None when the loss was sampled). With `sequences`
+        m > 1 the positions are m sequences of P / m tokens, matched to the targets as a set."""
         if not training or self.negatives is None:
             logits = inverter(features)
-            return position_loss(logits, targets, mask), logits
+            return position_loss(logits, *matched_targets(logits, targets, mask, sequences)), logits
         hidden = inverter.represent(features)
         vocab = inverter.spec.vocab_size
         drawn = torch.randint(vocab, (self.negatives,), generator=generator).to(targets.device)
         candidates = torch.unique(torch.cat([targets.reshape(-1), drawn]))  # sorted
         local = torch.searchsorted(candidates, targets)
-        return position_loss(inverter.decode(hidden, candidates), local, mask), None
+        logits = inverter.decode(hidden, candidates)
+        return position_loss(logits, *matched_targets(logits, local, mask, sequences)), None

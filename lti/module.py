@@ -18,7 +18,7 @@ from torch import Tensor
 
 from lti.inverters import EmbeddingInverter, Inverter
 from datamodules.registry import materialize
-from datamodules.metrics import RougeScores, TokenAccuracy, rouge_f, token_accuracy
+from datamodules.metrics import RougeScores, TokenAccuracy, match_sequences, reorder, rouge_f, token_accuracy
 from lti.loss import InverterLoss
 from datamodules.training_stream import NEGATIVES, step_generator
 
@@ -187,11 +187,18 @@ class InversionModule(LearnedInversionModule):
         if training and self.loss.negatives:
             step = int(batch["step"]) if "step" in batch else self.global_step
             generator = step_generator(NEGATIVES, getattr(self.data, "seed", 0), self.global_rank, step)
-        loss, logits = self.loss(self.inverter, features, targets, mask, training=training, generator=generator)
+        sequences = getattr(self.data, "sequences_per_update", 1)
+        loss, logits = self.loss(self.inverter, features, targets, mask, training=training, generator=generator,
+                                 sequences=sequences)
         self.log(f"{stage}/loss", loss, prog_bar=True, sync_dist=stage != "train", batch_size=updates)
         if logits is None:  # sampled softmax: no full scores, so no training accuracy
             return loss
         preds = logits.argmax(dim=-1)
+        if sequences > 1:  # score the m predicted sequences against the true ones they match (no order)
+            shape = (updates, sequences, -1)
+            order = match_sequences(preds.view(shape), targets.view(shape), mask.view(shape))
+            targets = reorder(targets.view(shape), order).reshape(updates, -1)
+            mask = reorder(mask.view(shape), order).reshape(updates, -1)
         getattr(self, f"{stage}_token_acc").update(preds, targets, mask)
         self.log(f"{stage}/lti/token_acc", getattr(self, f"{stage}_token_acc"), prog_bar=True, batch_size=updates,
                  on_step=stage == "train", on_epoch=True)
