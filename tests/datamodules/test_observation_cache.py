@@ -40,6 +40,18 @@ def test_cached_batches_equal_on_the_fly_batches_to_float16_rounding(corpus_file
         assert (a["features"] != 0).sum() > 0
 
 
+def test_cached_updates_of_several_sequences_equal_on_the_fly_ones(corpus_files, tmp_path):
+    from datamodules.federated import FedSGDClient
+
+    client = lambda: FedSGDClient(mode="train", samples_per_update=2)  # noqa: E731 (dropout 0: deterministic)
+    fly = _first_batches(_datamodule(corpus_files, client=client()))
+    cached = _first_batches(_datamodule(corpus_files, tmp_path / "cache", client=client()))
+    for a, b in zip(fly, cached):
+        assert a["input_ids"].shape[1] == 2 and torch.equal(a["input_ids"], b["input_ids"])
+        rms = a["features"].pow(2).mean(dim=1, keepdim=True).sqrt()
+        assert ((a["features"] - b["features"]).abs() / rms).max() < 2e-3
+
+
 def test_cached_gaussian_noise_is_fresh_and_has_the_per_coordinate_variance(corpus_files, tmp_path):
     sigma, steps = 0.05, range(10)
     clean = _datamodule(corpus_files)
