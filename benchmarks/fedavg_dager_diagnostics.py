@@ -64,13 +64,14 @@ def true_token_distances(attack: Dager, target, update: dict, ids: torch.Tensor)
     return float(true.max()), float(dist.median())
 
 
-def true_sequence_distances(attack: Dager, target, update: dict, ids: torch.Tensor) -> torch.Tensor:
+def true_sequence_distances(attack: Dager, target, update: dict, ids: torch.Tensor, trajectory=()) -> torch.Tensor:
     """(n,) largest second-layer distance over each true sequence's positions (DAGER's second test,
-    with its probe: block-1 inputs at the global weights against the layer-2 span, capped at B x L)."""
+    with its probe: block-1 inputs at the global weights, or the least over the trajectory's points,
+    against the layer-2 span, capped at B x L)."""
     layers = attack.layers(target)
     basis = capped_basis(attack, layers.second.input_space(update, attack.blocks), ids)
     with torch.no_grad():
-        return _SecondLayer(target, layers, basis, attack.token_budget).full(ids).max(dim=1).values
+        return _SecondLayer(target, layers, basis, attack.token_budget, update, trajectory).full(ids).max(dim=1).values
 
 
 def main() -> None:
@@ -83,10 +84,13 @@ def main() -> None:
                         help="tokens DAGER's bidirectional search may run through block 1 per update")
     parser.add_argument("--dtypes", nargs="+", choices=["float32", "float64"], default=["float32", "float64"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trajectory", action="store_true",
+                        help="second-layer test also at the weights of each local step (Dager.attack(trajectory=...))")
     args = parser.parse_args()
     attack = Dager(l1_threshold=args.threshold, l2_threshold=args.threshold, encoder_token_budget=args.encoder_token_budget)
     print(f"# eval-mode FedAvg E = {args.epochs}, B = {args.minibatch}, n = 4, lr 0.01; DAGER thresholds {args.threshold:g}, "
-          f"search budget {args.encoder_token_budget:,} tokens")
+          f"search budget {args.encoder_token_budget:,} tokens; second-layer test "
+          f"{'along the local trajectory' if args.trajectory else 'at the global weights'}")
     print("| client | update | true tokens: max l1 distance | vocabulary: median | true sequences passing l2 (max distance) | exact sequences | mode | candidates per position | reason / flags | seconds |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for dtype in args.dtypes:
@@ -95,12 +99,14 @@ def main() -> None:
         split = pipeline.split(update)
         ids = batch["input_ids"].view(update.shape[0], 4, -1)
         target = pipeline.target.eval()
+        client = pipeline.client
+        trajectory = tuple(t * client.lr for t in range(client.local_steps())) if args.trajectory else ()
         for u in range(min(args.updates, update.shape[0])):
             one = {name: grads[u] for name, grads in split.items()}
             worst, median = true_token_distances(attack, target, one, ids[u])
-            second = true_sequence_distances(attack, target, one, ids[u])
+            second = true_sequence_distances(attack, target, one, ids[u], trajectory)
             passing = int((second < args.threshold).sum())
-            result = attack.attack(target, one, batch_size=4, max_length=ids.shape[-1])
+            result = attack.attack(target, one, batch_size=4, max_length=ids.shape[-1], trajectory=trajectory)
             truth = {tuple(s) for s in ids[u].tolist()}
             exact = sum(tuple(s) in truth for s in result.sequences)
             diag = result.diagnostics

@@ -38,6 +38,7 @@ class DagerCallback(ExactAttackCallback):
         stages: tuple[str, ...] = ("val", "test"),
         log_samples: bool = True,
         multi_step_threshold: float | None = 1e-2,
+        follow_trajectory: bool = True,
     ) -> None:
         """
         Args:
@@ -51,6 +52,10 @@ class DagerCallback(ExactAttackCallback):
                 updated weights, so the true tokens sit slightly off the span (DAGER's FedAvg setting;
                 measured on transformer3: 1e-3 recovers 50-88% of FedAvg E=1-2 sequences, 1e-2 all).
                 None keeps the attack's thresholds.
+            follow_trajectory: For a multi-step client with a learning rate (FedAvg), also run the
+                second-layer test at the weights a straight path puts the client at before each local
+                step (`Dager.attack(trajectory=...)`, offsets t * lr), so sequences seen only after the
+                first step are tested at (nearly) the weights they were seen at.
         """
         super().__init__(max_updates_per_batch, every_n_batches, stages)
         if multi_step_threshold is not None and not multi_step_threshold > 0:
@@ -58,6 +63,7 @@ class DagerCallback(ExactAttackCallback):
         self.attack = attack if attack is not None else Dager()
         self.log_samples = log_samples
         self.multi_step_threshold = multi_step_threshold
+        self.follow_trajectory = follow_trajectory
 
     def _attack_for(self, pipeline: Any) -> Dager:
         """The configured attack, or for multi-step clients a new one derived from it with the
@@ -70,6 +76,16 @@ class DagerCallback(ExactAttackCallback):
             l1_threshold=max(self.attack.l1_threshold, self.multi_step_threshold),
             l2_threshold=max(self.attack.l2_threshold, self.multi_step_threshold),
         )
+
+    def _trajectory(self, pipeline: Any) -> tuple[float, ...]:
+        """Offsets t * lr of a multi-step client's local steps t = 0..T-1 (the update DAGER reads is
+        the mean of their gradients: `gradient_scale`), or () for FedSGD and when not following."""
+        client = getattr(pipeline, "client", None)
+        steps = client.local_steps() if client is not None and hasattr(client, "local_steps") else 1
+        lr = getattr(client, "lr", None)
+        if not self.follow_trajectory or steps <= 1 or lr is None:
+            return ()
+        return tuple(t * float(lr) for t in range(steps))
 
     def _run(self, trainer: Trainer, pl_module: LightningModule, batch: dict, update: torch.Tensor, pipeline: Any,
              stage: str) -> None:
@@ -89,10 +105,11 @@ class DagerCallback(ExactAttackCallback):
         sequences = tokens = correct = exact = certified = 0
         records = []
         attack = self._attack_for(pipeline)
+        trajectory = self._trajectory(pipeline)
         for u in range(count):
             result = attack.attack(
                 pipeline.target, {name: grads[u] for name, grads in split.items()},
-                batch_size=per_update, max_length=length,
+                batch_size=per_update, max_length=length, trajectory=trajectory,
             )
             self._say_feasibility(pl_module, pipeline, result.diagnostics, attack.min_codimension)
             scores = score_batch(

@@ -12,7 +12,7 @@ import inspect
 import math
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -163,6 +163,7 @@ class Dager:
         update: Mapping[str, Tensor],
         batch_size: int | None = None,
         max_length: int | None = None,
+        trajectory: Sequence[float] = (),
     ) -> DagerResult:
         """Recover the sequences behind one client update.
 
@@ -171,6 +172,10 @@ class Dager:
             update: {parameter name: gradient} of ONE client update (the mean over its sequences).
             batch_size: Sequences in the update (the client protocol, known to the server); None = unknown.
             max_length: Longest sequence length (the protocol's block length); None = the model's limit.
+            trajectory: For a multi-step client whose `update` is the mean of its local gradients: the
+                offsets s_t (t * lr for plain local SGD) at which the second-layer test also runs block 1,
+                at weights w - s_t * update, where a straight path puts the client before step t. ()
+                = only at w (FedSGD). The client's protocol is known to the server.
         """
         start = time.perf_counter()
         diag: dict[str, Any] = {"batch_size": batch_size, "max_length": max_length}
@@ -185,7 +190,7 @@ class Dager:
         target.eval()
         try:
             with torch.no_grad():
-                result = _DagerRun(self, target, layers, update, batch_size, max_length, diag).execute()
+                result = _DagerRun(self, target, layers, update, batch_size, max_length, diag, tuple(trajectory)).execute()
         except (RuntimeError, ValueError) as error:  # e.g. an SVD that does not converge on garbage input
             result = degenerate(diag, f"{type(error).__name__}: {error}")
         finally:
@@ -201,7 +206,8 @@ def dager_attack(
     update: Mapping[str, Tensor],
     batch_size: int | None = None,
     max_length: int | None = None,
+    trajectory: Sequence[float] = (),
     **options,
 ) -> DagerResult:
-    """Functional shortcut: `Dager(**options).attack(target, update, batch_size, max_length)`."""
-    return Dager(**options).attack(target, update, batch_size, max_length)
+    """Functional shortcut: `Dager(**options).attack(target, update, batch_size, max_length, trajectory)`."""
+    return Dager(**options).attack(target, update, batch_size, max_length, trajectory)

@@ -32,7 +32,7 @@ def causal_search(
     """
     config, layers, flags = run.config, run.layers, run.flags
     cached = None
-    if config.use_cache and layers.hf_base_model is not None:
+    if config.use_cache and layers.hf_base_model is not None and not probe.trajectory:  # the cache is of one weight set
         cached = _PrefixCache(probe, layers.hf_base_model)
     dtype = probe.basis.u.dtype
     prefixes = torch.empty(1, 0, dtype=torch.long)

@@ -6,9 +6,19 @@ that layer's gradient (`l2_threshold`). `_SecondLayer` computes those inputs in 
 distances; `_ResidualSpan` is the part of the span that some sequences do not explain (the
 encoder search's "peeling"); `_PrefixCache` runs the causal prefix search one token per step with
 a Hugging Face key/value cache of layer 0.
+
+Multi-step clients (FedAvg) compute their local gradients at weights that drift away from the
+global ones, so the second-layer inputs that went into the update are not the ones block 1 gives
+at the global weights (1-1.4e-2 off the span in docs/matrix.md, where wrong sequences sit at
+3e-2). With a `trajectory` of step offsets s_t, `full` also runs block 1 at w - s_t * g (g: the
+update, the mean of the local gradients; s_t = t * lr puts the weights where a straight-line path
+puts them before local step t) and keeps, per position, the least distance over the points.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
@@ -17,22 +27,68 @@ from exact.dager.span import _TINY, SpanBasis, _orthonormal_complement
 from exact.layers import DagerLayers, capture_input
 
 
+def parameters_before(target: nn.Module, layers: DagerLayers, run) -> list[tuple[str, nn.Parameter]]:
+    """The parameters of the modules a forward pass calls before it reaches the second layer's input
+    (the only ones the second-layer inputs depend on), found by running `run()` once with hooks."""
+    called: list[nn.Module] = []
+    hooks = [m.register_forward_pre_hook(lambda mod, args: called.append(mod)) for m in target.modules()]
+    try:
+        capture_input(layers.second_input_module, run)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    seen = {id(m) for m in called} | {id(target)}  # the root's own parameters (e.g. positions) are used by `body`
+    seen -= {id(m) for m in layers.second_input_module.modules()}  # its pre-hook ran too, before the capture
+    return [(f"{prefix}.{name}" if prefix else name, p) for prefix, m in target.named_modules() if id(m) in seen
+            for name, p in m.named_parameters(recurse=False)]
+
+
+@contextmanager
+def shifted(pairs: Sequence[tuple[nn.Parameter, Tensor]], step: float) -> Iterator[None]:
+    """Parameters moved to p - step * g for the block, then restored bit for bit (from a copy)."""
+    saved = [p.detach().clone() for p, _ in pairs]
+    try:
+        with torch.no_grad():
+            for p, g in pairs:
+                p.sub_(step * g.to(device=p.device, dtype=p.dtype))
+        yield
+    finally:
+        with torch.no_grad():
+            for (p, _), original in zip(pairs, saved):
+                p.copy_(original)
+
+
 class _SecondLayer:
     """Second-layer inputs of candidate sequences, and their distances to the second span."""
 
-    def __init__(self, target: nn.Module, layers: DagerLayers, basis: SpanBasis, token_budget: int) -> None:
+    def __init__(self, target: nn.Module, layers: DagerLayers, basis: SpanBasis, token_budget: int,
+                 update: Mapping[str, Tensor] | None = None, trajectory: Sequence[float] = ()) -> None:
         self.target = target
         self.layers = layers
         self.basis = basis
         self.token_budget = max(1, token_budget)
         self.device = layers.inputs.embedding.device
         self.evaluations = 0  # sequences (or cached steps) run through block 1
+        #: step offsets other than 0 at which `full` also runs block 1 (multi-step clients)
+        self.trajectory = [float(s) for s in trajectory if s != 0]
+        self._moved: list[tuple[nn.Parameter, Tensor]] = []
+        if self.trajectory and update is not None:
+            probe = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+            before = parameters_before(target, layers, lambda: self._forward(probe))
+            self._moved = [(p, update[name]) for name, p in before
+                           if name in update and tuple(update[name].shape) == tuple(p.shape)]
+        if not self._moved:
+            self.trajectory = []
 
-    def _run(self, ids: Tensor) -> Tensor:
+    def _forward(self, ids: Tensor) -> None:
         target = self.target
         if hasattr(target, "body"):
-            return capture_input(self.layers.second_input_module, lambda: target.body(ids, None))
-        return capture_input(self.layers.second_input_module, lambda: target(input_ids=ids))
+            target.body(ids, None)
+        else:
+            target(input_ids=ids)
+
+    def _run(self, ids: Tensor) -> Tensor:
+        return capture_input(self.layers.second_input_module, lambda: self._forward(ids))
 
     def inputs(self, ids: Tensor) -> Tensor:
         """(N, T) token ids -> (N, T, d) second-layer inputs (float32 as the model computes them)."""
@@ -46,7 +102,15 @@ class _SecondLayer:
         return torch.cat(out)
 
     def full(self, ids: Tensor) -> Tensor:
-        """(N, T) token ids -> (N, T) distances of every position's second-layer input."""
+        """(N, T) token ids -> (N, T) distances of every position's second-layer input (the least over
+        the trajectory's points, if any)."""
+        distances = self._full(ids)
+        for step in self.trajectory:
+            with shifted(self._moved, step):
+                distances = torch.minimum(distances, self._full(ids))
+        return distances
+
+    def _full(self, ids: Tensor) -> Tensor:
         n, length = ids.shape
         rows = max(1, self.token_budget // max(1, length))
         out = []

@@ -37,12 +37,13 @@ class _DagerRun:
 
     def __init__(
         self, config: Dager, target: nn.Module, layers: DagerLayers, update: Mapping[str, Tensor],
-        batch_size: int | None, max_length: int | None, diag: dict[str, Any],
+        batch_size: int | None, max_length: int | None, diag: dict[str, Any], trajectory: tuple[float, ...] = (),
     ) -> None:
         self.config = config
         self.target = target
         self.layers = layers
         self.update = update
+        self.trajectory = trajectory  #: step offsets of a multi-step client's local gradients (`_SecondLayer`)
         self.batch_size = batch_size
         inputs = layers.inputs
         if max_length is None:
@@ -98,6 +99,12 @@ class _DagerRun:
         diag.update(relaxed_rank1=basis1.rank, relaxed_rank2=basis2.rank)
         return self._relaxed(basis1, basis2)
 
+    def _probe(self, basis2: SpanBasis) -> _SecondLayer:
+        probe = _SecondLayer(self.target, self.layers, basis2, self.config.token_budget, self.update, self.trajectory)
+        if self.trajectory:
+            self.diag["trajectory_points"] = 1 + len(probe.trajectory)
+        return probe
+
     # ------------------------------------------------------------------------------------------------------
     # Strict (exact) path
 
@@ -125,7 +132,7 @@ class _DagerRun:
         if not candidates:
             diag["reason"] = "no token passed the first-layer span test"
             return None
-        probe = _SecondLayer(self.target, layers, basis2, config.token_budget)
+        probe = self._probe(basis2)
         exhausted = False  # the causal search has no token budget
         if layers.causal:
             steps = self.max_length - 1 if layers.rope else len(candidates)
@@ -273,7 +280,7 @@ class _DagerRun:
             prior = [row[o] for row, o in zip(dist, orders)]
         diag["mode"] = "relaxed"
         diag["candidates_per_position"] = [int(c.numel()) for c in candidates]
-        probe = _SecondLayer(self.target, layers, basis2, config.token_budget)
+        probe = self._probe(basis2)
         beam = max(1, batch_size or 1) * 2
         if layers.causal:
             seqs, scores = causal_search(self, probe, candidates, steps, beam, prior=prior)

@@ -108,6 +108,8 @@ def test_fedavg_updates_are_attacked_as_pseudo_gradients_with_looser_thresholds(
     assert (loosened.l1_threshold, loosened.l2_threshold) == (1e-2, 1e-2)
     assert callback.attack.l1_threshold == 1e-3  # the configured attack is not modified
     assert DagerCallback(multi_step_threshold=None)._attack_for(pipeline).l1_threshold == 1e-3
+    assert callback._trajectory(pipeline) == pytest.approx((0.0, 0.01, 0.02, 0.03))  # t * lr, t < 4 steps
+    assert DagerCallback(follow_trajectory=False)._trajectory(pipeline) == ()
     module = Recorder()
     trainer = SimpleNamespace(datamodule=SimpleNamespace(pipeline=pipeline, tokenizer=None), sanity_checking=False)
     callback.on_test_batch_end(trainer, module, None, batch, 0)

@@ -443,3 +443,65 @@ def test_dager_reads_lora_a_gradients_when_only_adapters_are_sent(arch, rank, re
     result = Dager().attack(pipeline.target, {name: grads[0] for name, grads in parts.items()}, batch_size=1, max_length=12)
     assert (result.sequences == [ids[0, 0, :-1].tolist()]) is recovered
     assert not result.exact  # the missing last token keeps it uncertified
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Multi-step clients: the second-layer test along the client's local trajectory
+
+
+def fedavg_update(target, ids, lr):
+    """ONE eval-mode FedAvg update (n = 4, E = 2 epochs of minibatches of 2: 4 local steps) as the mean
+    of its local gradients (delta / (steps * lr)), and the offsets t * lr of its steps."""
+    from datamodules.federated import FedAvgClient
+
+    client = FedAvgClient(mode="eval", samples_per_update=ids.shape[0], local_epochs=2, minibatch_size=2, lr=lr)
+    pipeline = UpdatePipeline(target, client=client, hashing=Hashing(bins=1),
+                              observed=ParameterSelection(include=find_layers(target).observed_names()))
+    out = pipeline({"input_ids": ids[None]}, keep_update=True)
+    update = {name: grads[0] for name, grads in pipeline.split(out.update * client.gradient_scale()).items()}
+    return update, tuple(t * lr for t in range(client.local_steps()))
+
+
+def test_sequences_seen_after_the_first_local_step_pass_along_the_trajectory(seed=1):
+    """lr 0.05: block 0 drifts enough over 4 local steps that at DAGER's FedSGD threshold (1e-3) the
+    second-layer test at the global weights keeps 1 of 4 sequences; at the weights of each step, all 4."""
+    torch.manual_seed(seed)
+    target = transformer3()
+    ids, _ = random_batch(4, 12, seed)
+    update, trajectory = fedavg_update(target, ids, lr=0.05)
+    assert len(trajectory) == 4
+    at_global = Dager().attack(target, update, batch_size=4, max_length=12)
+    along = Dager().attack(target, update, batch_size=4, max_length=12, trajectory=trajectory)
+    true = {tuple(s) for s in ids.tolist()}
+    assert sum(tuple(s) in true for s in at_global.sequences) <= 1
+    assert sorted(map(tuple, along.sequences)) == sorted(true)
+    assert along.diagnostics["trajectory_points"] == 4
+
+
+def test_the_trajectory_probe_leaves_the_model_bit_for_bit_as_it_was():
+    from exact.dager.probe import shifted
+
+    target = transformer3()
+    before = {name: p.detach().clone() for name, p in target.named_parameters()}
+    ids, _ = random_batch(4, 12, 0)
+    update, trajectory = fedavg_update(target, ids, lr=0.05)
+    Dager().attack(target, update, batch_size=4, max_length=12, trajectory=trajectory)
+    pairs = [(p, torch.randn_like(p)) for p in target.parameters()]
+    with pytest.raises(KeyError):
+        with shifted(pairs, 0.3):
+            raise KeyError("interrupted mid-probe")
+    for name, p in target.named_parameters():
+        assert torch.equal(p, before[name]), name
+
+
+def test_the_trajectory_moves_only_what_the_second_layer_inputs_depend_on():
+    from exact.dager.probe import _SecondLayer, parameters_before
+
+    target = transformer3()
+    layers = find_layers(target)
+    probe = _SecondLayer(target, layers, None, 64)
+    names = [name for name, _ in parameters_before(target, layers, lambda: probe._forward(torch.zeros(1, 1, dtype=torch.long)))]
+    second = [name for name, p in target.named_parameters() if any(p is q for q in layers.second_input_module.parameters())]
+    assert names and not set(names) & set(second)
+    assert any("embed" in name or "tok" in name for name in names)
+    assert not any(name.startswith("layers.1") or ".1." in name for name in names), names
