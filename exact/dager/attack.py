@@ -54,6 +54,7 @@ class Dager:
         min_codimension: int = 4,
         eos_token_id: int | None = None,
         seed: int = 0,
+        max_trajectory_points: int = 6,
     ) -> None:
         """
         Args:
@@ -95,6 +96,9 @@ class Dager:
                 the layer-1 and layer-2 gradients (their numerical ranges) unexplained.
             eos_token_id: End-of-sequence token of bidirectional models (sequence ends where it passes).
             seed: Seed of the encoder search's random restarts.
+            max_trajectory_points: Multi-step clients: the second-layer test runs at most at this many points
+                of the client's path (evenly spread over its local steps, the global weights included);
+                each costs one more block-1 pass per candidate.
         """
         if isinstance(dtype, str):
             if dtype not in ("float64", "float32"):
@@ -133,6 +137,9 @@ class Dager:
         self.min_codimension = int(min_codimension)
         self.eos_token_id = eos_token_id
         self.seed = int(seed)
+        if max_trajectory_points < 2:
+            raise ValueError(f"DAGER max_trajectory_points={max_trajectory_points} must be >= 2 (the global weights and one more)")
+        self.max_trajectory_points = int(max_trajectory_points)
         # Which layers DAGER reads in a model does not depend on the options: looked up once per model,
         # and shared with the attacks derived by `with_options`.
         self._layers: weakref.WeakKeyDictionary[nn.Module, DagerLayers] = weakref.WeakKeyDictionary()
@@ -175,7 +182,8 @@ class Dager:
             trajectory: For a multi-step client whose `update` is the mean of its local gradients: the
                 offsets s_t (t * lr for plain local SGD) at which the second-layer test also runs block 1,
                 at weights w - s_t * update, where a straight path puts the client before step t. ()
-                = only at w (FedSGD). The client's protocol is known to the server.
+                = only at w (FedSGD). The client's protocol is known to the server. Used only when the
+                test at w does not find `batch_size` sequences, and at most `max_trajectory_points`.
         """
         start = time.perf_counter()
         diag: dict[str, Any] = {"batch_size": batch_size, "max_length": max_length}
@@ -188,9 +196,17 @@ class Dager:
         diag["architecture"] = layers.architecture
         was_training = target.training
         target.eval()
+        points = self._trajectory_points(trajectory)
         try:
             with torch.no_grad():
-                result = _DagerRun(self, target, layers, update, batch_size, max_length, diag, tuple(trajectory)).execute()
+                result = _DagerRun(self, target, layers, update, batch_size, max_length, diag).execute()
+                if len(points) > 1 and not (batch_size is not None and _passed(result) == batch_size):
+                    # Some sequences did not pass at the global weights: test again along the client's path
+                    # (one more block-1 pass per point, so only when needed); keep it if more pass.
+                    again = _DagerRun(self, target, layers, update, batch_size, max_length,
+                                      dict(diag, passed_at_global_weights=_passed(result)), points).execute()
+                    if _passed(again) > _passed(result):
+                        result = again
         except (RuntimeError, ValueError) as error:  # e.g. an SVD that does not converge on garbage input
             result = degenerate(diag, f"{type(error).__name__}: {error}")
         finally:
@@ -199,6 +215,20 @@ class Dager:
         return result
 
     __call__ = attack
+
+    def _trajectory_points(self, trajectory: Sequence[float]) -> tuple[float, ...]:
+        """At most `max_trajectory_points` of the offsets, evenly spread, the first and last kept."""
+        points = tuple(float(s) for s in trajectory)
+        limit = self.max_trajectory_points
+        if len(points) <= limit:
+            return points
+        picks = sorted({round(i * (len(points) - 1) / (limit - 1)) for i in range(limit)})
+        return tuple(points[i] for i in picks)
+
+
+def _passed(result: DagerResult) -> int:
+    """Sequences that passed both span tests (a relaxed result's ranked guesses did not)."""
+    return len(result.sequences) if result.diagnostics.get("mode") == "strict" else 0
 
 
 def dager_attack(

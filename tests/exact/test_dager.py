@@ -470,12 +470,30 @@ def test_sequences_seen_after_the_first_local_step_pass_along_the_trajectory(see
     ids, _ = random_batch(4, 12, seed)
     update, trajectory = fedavg_update(target, ids, lr=0.05)
     assert len(trajectory) == 4
-    at_global = Dager().attack(target, update, batch_size=4, max_length=12)
-    along = Dager().attack(target, update, batch_size=4, max_length=12, trajectory=trajectory)
+    attack = Dager(encoder_token_budget=200_000)  # the failing search gives up sooner; the result is the same
+    at_global = attack.attack(target, update, batch_size=4, max_length=12)
+    along = attack.attack(target, update, batch_size=4, max_length=12, trajectory=trajectory)
     true = {tuple(s) for s in ids.tolist()}
     assert sum(tuple(s) in true for s in at_global.sequences) <= 1
     assert sorted(map(tuple, along.sequences)) == sorted(true)
     assert along.diagnostics["trajectory_points"] == 4
+    assert along.diagnostics["passed_at_global_weights"] <= 1
+
+
+def test_the_trajectory_is_tried_only_when_the_global_weights_miss_sequences_and_is_thinned():
+    torch.manual_seed(0)
+    target = transformer3()
+    ids, _ = random_batch(4, 12, 0)
+    update, trajectory = fedavg_update(target, ids, lr=0.001)  # hardly any drift: all pass at the global weights
+    result = Dager().attack(target, update, batch_size=4, max_length=12, trajectory=trajectory)
+    assert sorted(map(tuple, result.sequences)) == sorted(map(tuple, ids.tolist()))
+    assert "trajectory_points" not in result.diagnostics
+    steps = tuple(t * 0.01 for t in range(20))
+    thinned = Dager(max_trajectory_points=5)._trajectory_points(steps)
+    assert thinned == tuple(steps[i] for i in (0, 5, 10, 14, 19))
+    assert Dager()._trajectory_points(steps[:3]) == steps[:3]
+    with pytest.raises(ValueError, match="max_trajectory_points=1"):
+        Dager(max_trajectory_points=1)
 
 
 def test_the_trajectory_probe_leaves_the_model_bit_for_bit_as_it_was():
