@@ -97,6 +97,10 @@ class DagerCallback(ExactAttackCallback):
             ids = ids[:, None]
             mask = None if mask is None else mask[:, None]
         updates, per_update, length = ids.shape
+        # The attack is told the protocol's sequences per update and block length (what the server
+        # knows), never sizes read off the client's data.
+        protocol_batch = getattr(datamodule, "sequences_per_update", per_update)
+        protocol_length = getattr(datamodule, "seq_len", length)
         count = self._count(updates)
         split = pipeline.split(update[:count])
         tokenizer = getattr(datamodule, "tokenizer", None)
@@ -109,7 +113,7 @@ class DagerCallback(ExactAttackCallback):
         for u in range(count):
             result = attack.attack(
                 pipeline.target, {name: grads[u] for name, grads in split.items()},
-                batch_size=per_update, max_length=length, trajectory=trajectory,
+                batch_size=protocol_batch, max_length=protocol_length, trajectory=trajectory,
             )
             self._say_feasibility(pl_module, pipeline, result.diagnostics, attack.min_codimension)
             scores = score_batch(

@@ -1,11 +1,12 @@
 """`SpearCallback` runs SPEAR on one named ReLU layer (`layers.0` of a vision/table FCNN,
 `encoder.layers.0.linear1` of transformer3) of every evaluation batch's defended update and logs
 
-    {stage}/spear/exact_fraction, cosine, rows_recovered, seconds_per_batch
+    {stage}/spear/exact_fraction, certified_fraction, cosine, rows_recovered, seconds_per_batch
     {stage}/spear/psnr (image batches in [0, 1]), discrete_acc and continuous_mae (tables)
 
-(`exact_fraction`: updates SPEAR certified exact, by its own sparsity-matching certificate;
-`cosine`: mean over the true layer-input rows of the cosine with the best-matching recovered row;
+(`exact_fraction`: updates whose every true row was recovered (cosine above `row_threshold`), judged
+against the truth as DAGER's is; `certified_fraction`: updates SPEAR certified exact, by its own
+sparsity-matching certificate, which reads no truth; `cosine`: mean over the true layer-input rows of the cosine with the best-matching recovered row;
 `rows_recovered`: fraction of true rows with that cosine above `row_threshold`). The true layer
 inputs, for the metrics only, come from running the global model (eval mode) on the batch's
 `inputs` (images/tables) or `input_ids` (text) with a forward hook on the layer.
@@ -176,6 +177,7 @@ class _Tally:
     """Sums over one batch's attacked updates; `log` writes their means."""
 
     certified: int = 0
+    complete: int = 0  # updates whose every true row was recovered
     rows: int = 0
     recovered: int = 0
     cosine_sum: float = 0.0
@@ -192,6 +194,7 @@ class _Tally:
         best, match = cos.max(dim=1)
         self.cosine_sum += float(best.sum())
         self.recovered += int((best > row_threshold).sum())
+        self.complete += int(bool((best > row_threshold).all()))
         return recovered_rows[match]
 
     def add_psnr(self, matched: torch.Tensor, truth: torch.Tensor) -> None:
@@ -218,7 +221,8 @@ class _Tally:
 
     def log(self, pl_module: LightningModule, prefix: str, count: int, seconds: float) -> None:
         common = {"on_step": False, "on_epoch": True, "sync_dist": True}
-        pl_module.log(f"{prefix}/exact_fraction", self.certified / max(1, count), batch_size=max(1, count), **common)
+        pl_module.log(f"{prefix}/exact_fraction", self.complete / max(1, count), batch_size=max(1, count), **common)
+        pl_module.log(f"{prefix}/certified_fraction", self.certified / max(1, count), batch_size=max(1, count), **common)
         pl_module.log(f"{prefix}/cosine", self.cosine_sum / max(1, self.rows), batch_size=max(1, self.rows), **common)
         pl_module.log(f"{prefix}/rows_recovered", self.recovered / max(1, self.rows), batch_size=max(1, self.rows),
                       **common)

@@ -116,3 +116,31 @@ def test_fedavg_updates_are_attacked_as_pseudo_gradients_with_looser_thresholds(
     assert module.logged["test/dager/exact_fraction"] == 1.0
     with pytest.raises(ValueError):
         DagerCallback(multi_step_threshold=0.0)
+
+
+def test_dager_is_told_the_protocol_sizes_not_sizes_read_off_the_client_batch():
+    """A batch padded only to its longest sequence (10 of 16 tokens) must not tell DAGER the true length."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from datamodules.federated import FedSGDClient, UpdatePipeline
+    from datamodules.targets import Transformer3
+    from exact.callbacks import DagerCallback
+    from exact.dager import Dager
+
+    pipeline = UpdatePipeline(Transformer3(), client=FedSGDClient(mode="eval", samples_per_update=2), hashing=Hashing(bins=64))
+    ids = torch.randint(1000, 5000, (1, 2, 10), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "update": pipeline({"input_ids": ids}, keep_update=True).update}
+    seen = {}
+
+    class Spy(Dager):
+        def attack(self, target, update, batch_size=None, max_length=None, trajectory=()):
+            seen.update(batch_size=batch_size, max_length=max_length)
+            return super().attack(target, update, batch_size, max_length, trajectory)
+
+    datamodule = SimpleNamespace(pipeline=pipeline, tokenizer=None, sequences_per_update=2, seq_len=16)
+    module = SimpleNamespace(log=lambda *args, **kwargs: None)
+    DagerCallback(attack=Spy(), log_samples=False).on_test_batch_end(
+        SimpleNamespace(datamodule=datamodule, sanity_checking=False), module, None, batch, 0)
+    assert seen == {"batch_size": 2, "max_length": 16}

@@ -39,7 +39,7 @@ def test_text_batch_recovers_transformer3_ffn_inputs():
     callback = SpearCallback(layer="encoder.layers.0.linear1")
     callback.on_test_batch_end(trainer_with(pipeline), module, None, batch, 0)
     logged = module.logged
-    assert logged["test/spear/exact_fraction"] == 1.0
+    assert logged["test/spear/exact_fraction"] == 1.0 and logged["test/spear/certified_fraction"] == 1.0
     assert logged["test/spear/rows_recovered"] == 1.0
     assert logged["test/spear/cosine"] > 0.999999
     assert logged["test/spear/seconds_per_batch"] > 0
@@ -91,7 +91,7 @@ def test_table_batch_gets_discrete_accuracy_and_mae():
     SpearCallback(layer="layers.0").on_test_batch_end(
         trainer_with(pipeline, table_columns=columns, data=data), module, None, batch, 0)
     logged = module.logged
-    assert logged["test/spear/exact_fraction"] == 1.0
+    assert logged["test/spear/exact_fraction"] == 1.0 and logged["test/spear/certified_fraction"] == 1.0
     assert logged["test/spear/discrete_acc"] == 1.0
     assert logged["test/spear/continuous_mae"] < 1e-4
     assert "test/spear/psnr" not in logged
@@ -144,7 +144,7 @@ def test_prior_samples_guide_spear_with_the_servers_auxiliary_inputs():
     callback = SpearCallback(layer="layers.0", attack=one_draw, prior_samples=300)
     callback.on_test_batch_end(trainer, guided, None, batch, 0)
     callback.on_test_batch_end(trainer, guided, None, batch, 0)
-    assert blind.logged["test/spear/exact_fraction"] == 0.0
+    assert blind.logged["test/spear/exact_fraction"] == 0.0 and blind.logged["test/spear/certified_fraction"] == 0.0
     assert guided.logged["test/spear/exact_fraction"] == 1.0 and guided.logged["test/spear/psnr"] > 100
     assert asked == [300]  # the prior's layer inputs are computed once
     with pytest.raises(ValueError):
@@ -153,3 +153,20 @@ def test_prior_samples_guide_spear_with_the_servers_auxiliary_inputs():
     with pytest.warns(UserWarning, match="auxiliary_inputs"):
         SpearCallback(layer="layers.0", attack=one_draw, prior_samples=10).on_test_batch_end(
             trainer_with(pipeline), RecordingModule(), None, batch, 0)
+
+
+def test_exact_is_judged_against_the_truth_and_certified_is_spears_own_claim():
+    """A SPEAR that certifies wrong rows: certified_fraction 1, exact_fraction 0 (they never mix)."""
+    from datamodules.federated import FedSGDClient, UpdatePipeline
+    from datamodules.targets import Transformer3
+
+    model = Transformer3(vocab_size=200, hidden_size=32, num_heads=2, ffn_size=128, num_layers=2, max_positions=8)
+    pipeline = UpdatePipeline(model, client=FedSGDClient(mode="eval"), hashing=Hashing(bins=16))
+    ids = torch.randint(0, 200, (2, 1, 8), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids[:, 0], "update": pipeline({"input_ids": ids}, keep_update=True).update}
+    callback = SpearCallback(layer="encoder.layers.0.linear1")
+    callback.attack.attack = lambda *args, **kwargs: SimpleNamespace(exact=True, inputs=torch.randn(8, 32))
+    module = RecordingModule()
+    callback.on_test_batch_end(trainer_with(pipeline), module, None, batch, 0)
+    assert module.logged["test/spear/certified_fraction"] == 1.0
+    assert module.logged["test/spear/exact_fraction"] == 0.0
