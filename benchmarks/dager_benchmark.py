@@ -178,7 +178,8 @@ def default_rows(scale: float = 1.0) -> list[Row]:
         rows.append(Row(f"{model}-B1-train", model, 1, mode="train", batches=n(4), observe_all=True))
     for model in ("t3", "gpt2"):
         for epochs in (2, 5, 10):
-            rows.append(Row(f"{model}-fedavg-E{epochs}", model, 4, batches=n(2), local_epochs=epochs))
+            # The whole delta observed (but the token embedding): the trajectory can only move what is observed.
+            rows.append(Row(f"{model}-fedavg-E{epochs}", model, 4, batches=n(2), local_epochs=epochs, observe_all=True))
     return rows
 
 
