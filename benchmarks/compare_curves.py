@@ -1,0 +1,60 @@
+"""Several `lti fit` learning curves on one figure: held-out token accuracy (and the attack-free
+baseline) against training steps.
+
+    python benchmarks/compare_curves.py --out docs/paper_reproduction/sequences --name update_size \
+        --curve "1 sequence" runs/reproduction/lti/curve.csv \
+        --curve "2 sequences" runs/reproduction/lti_sequences_2/curve.csv \
+        --curve "4 sequences" runs/reproduction/lti_sequences_4/curve.csv
+
+Writes `OUT/NAME.png` and a copy of every curve as `OUT/NAME_<label>.csv` (label lower-cased, spaces
+as underscores), and prints each curve's last row (the run's final evaluation, never its best).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+from pathlib import Path
+
+from paper_table import METRICS, read_curve
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--curve", nargs=2, action="append", required=True, metavar=("LABEL", "CSV"))
+    parser.add_argument("--title", default="")
+    args = parser.parse_args()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    figure, axis = plt.subplots(figsize=(6.5, 4))
+    for label, path in args.curve:
+        rows = read_curve(Path(path))
+        steps = [int(r["step"]) for r in rows]
+        line, = axis.plot(steps, [100 * float(r[METRICS["token_acc"]]) for r in rows], marker="o", markersize=3, label=label)
+        axis.plot(steps, [100 * float(r["val/baseline/token_acc"]) for r in rows], linestyle=":", color=line.get_color(),
+                  label=f"{label}: baseline")
+        shutil.copyfile(path, args.out / f"{args.name}_{re.sub(r'[^a-z0-9]+', '_', label.lower()).strip('_')}.csv")
+        last = rows[-1]
+        print(f"{label:>14}: token acc {100 * float(last[METRICS['token_acc']]):.2f}% (baseline "
+              f"{100 * float(last['val/baseline/token_acc']):.2f}%), ROUGE-1 {100 * float(last[METRICS['rouge1']]):.2f}%, "
+              f"step {last['step']}, {float(last['wall_minutes']):.1f} min")
+    axis.set_xlabel("training steps (batch 64 updates)")
+    axis.set_ylabel("held-out token accuracy (%)")
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8)
+    if args.title:
+        axis.set_title(args.title)
+    figure.tight_layout()
+    figure.savefig(args.out / f"{args.name}.png", dpi=110)
+    plt.close(figure)
+
+
+if __name__ == "__main__":
+    main()
