@@ -280,7 +280,7 @@ def run_row(row: Row, data: dict, tokenizer, generator: torch.Generator) -> dict
     if row.local_epochs:
         lr = data.get("fedavg_lr", 1e-3)
         client = FedAvgClient(row.mode, row.batch_size, local_epochs=row.local_epochs, minibatch_size=FEDAVG_MINIBATCH,
-                              lr=lr)
+                              lr=lr, dtype=data.get("fedavg_dtype", "model"))
         attack = attack.with_options(l1_threshold=max(attack.l1_threshold, MULTI_STEP_THRESHOLD),
                                      l2_threshold=max(attack.l2_threshold, MULTI_STEP_THRESHOLD))
         if data.get("trajectory", True):
@@ -328,6 +328,8 @@ def main(argv=None) -> None:
     parser.add_argument("--dager", nargs="*", default=[], metavar="OPTION=VALUE",
                         help="DAGER options other than the defaults, e.g. relaxed_span_fraction=0.91")
     parser.add_argument("--fedavg-lr", type=float, default=1e-3, help="FedAvg rows: the client's learning rate")
+    parser.add_argument("--fedavg-dtype", choices=["model", "float64"], default="model",
+                        help="FedAvg rows: the client's arithmetic (float64: exact deltas, the attack's best case)")
     parser.add_argument("--no-trajectory", action="store_true",
                         help="FedAvg rows: second-layer test at the global weights only (before 2026-11-24)")
     args = parser.parse_args(argv)
@@ -345,7 +347,7 @@ def main(argv=None) -> None:
         options[key] = yaml.safe_load(value)
     data = {"sentences": sentences(args.data, tokenizer), "blocks": blocks(args.data, tokenizer), "path": args.data,
             "dager": options, "trajectory": not args.no_trajectory,
-            "fedavg_lr": args.fedavg_lr}
+            "fedavg_lr": args.fedavg_lr, "fedavg_dtype": args.fedavg_dtype}
     rows = default_rows(args.scale)
     for kind, packages in OPTIONAL.items():
         if any(importlib.util.find_spec(p) is None for p in packages):
