@@ -112,6 +112,24 @@ def test_paper_table_reports_each_runs_last_row_never_its_best(tmp_path, monkeyp
         table.main()
 
 
+def test_compare_curves_prints_each_runs_last_row_and_copies_the_curves(tmp_path, monkeypatch, capsys):
+    import sys
+
+    curve = tmp_path / "curve.csv"
+    curve.write_text(
+        "step,samples,wall_minutes,val/baseline/token_acc,val/lti/rouge1,val/lti/rouge2,val/lti/rougeL,val/lti/token_acc\n"
+        "500,32000,5.0,0.05,0.5,0.3,0.5,0.60\n1000,64000,10.0,0.05,0.4,0.2,0.4,0.55\n"
+    )
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))  # it reads paper_table's curve format
+    module = load_benchmark("compare_curves")
+    monkeypatch.setattr(sys, "argv", ["compare_curves", "--out", str(tmp_path / "out"), "--name", "size",
+                                      "--curve", "2 sequences", str(curve)])
+    module.main()
+    assert "2 sequences: token acc 55.00% (baseline 5.00%), ROUGE-1 40.00%, step 1000" in capsys.readouterr().out
+    assert (tmp_path / "out" / "size_2_sequences.csv").read_text() == curve.read_text()
+    assert (tmp_path / "out" / "size.png").stat().st_size > 1000
+
+
 def test_spear_benchmark_skips_a_row_whose_optional_package_is_missing_and_prints_the_rest(monkeypatch, capsys):
     import importlib.util as util
 
