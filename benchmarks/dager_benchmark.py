@@ -49,6 +49,7 @@ from datamodules.federated import (  # noqa: E402
     DPSGD, FedAvgClient, FedSGDClient, GaussianNoise, Hashing, NoDefense, ParameterSelection, Sign, TopKPruning, UpdatePipeline,
 )
 from exact import Dager, find_layers  # noqa: E402
+from exact.dager import local_step_offsets  # noqa: E402
 from datamodules.metrics import score_batch  # noqa: E402
 from datamodules.targets import HFCausalLM, Transformer3  # noqa: E402
 
@@ -284,7 +285,7 @@ def run_row(row: Row, data: dict, tokenizer, generator: torch.Generator) -> dict
         attack = attack.with_options(l1_threshold=max(attack.l1_threshold, MULTI_STEP_THRESHOLD),
                                      l2_threshold=max(attack.l2_threshold, MULTI_STEP_THRESHOLD))
         if data.get("trajectory", True):
-            trajectory = tuple(t * lr for t in range(client.local_steps()))
+            trajectory = local_step_offsets(client)
     else:
         client = FedSGDClient(mode=row.mode, samples_per_update=row.batch_size)
     pipeline = UpdatePipeline(target, client=client, defense=make_defense(row.defense), observed=observed,

@@ -22,6 +22,7 @@ from datamodules.federated import FedAvgClient, ParameterSelection, UpdatePipeli
 from datamodules.federated.hashing import Hashing  # noqa: E402
 from datamodules.targets import Transformer3  # noqa: E402
 from exact import Dager, find_layers  # noqa: E402
+from exact.dager import local_step_offsets  # noqa: E402
 
 VOCAB = 500
 
@@ -41,7 +42,7 @@ def main() -> None:
             update = pipeline({"input_ids": ids}, keep_update=True).update * client.gradient_scale()
             one = {name: grads[0] for name, grads in pipeline.split(update).items()}
             truth = {tuple(s) for s in ids[0].tolist()}
-            trajectory = tuple(t * lr for t in range(client.local_steps()))
+            trajectory = local_step_offsets(client)
             for threshold in (1e-3, 1e-2):
                 attack = Dager(l1_threshold=threshold, l2_threshold=threshold)
                 row = []

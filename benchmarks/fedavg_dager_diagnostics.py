@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from datamodules.federated import FedAvgClient  # noqa: E402
 from datamodules.text_inversion import TextInversionDataModule  # noqa: E402
 from exact import Dager  # noqa: E402
-from exact.dager import span_basis, token_distances  # noqa: E402
+from exact.dager import local_step_offsets, span_basis, token_distances  # noqa: E402
 from exact.dager.probe import _SecondLayer  # noqa: E402
 from datamodules.targets import Transformer3  # noqa: E402
 
@@ -100,7 +100,7 @@ def main() -> None:
         ids = batch["input_ids"].view(update.shape[0], 4, -1)
         target = pipeline.target.eval()
         client = pipeline.client
-        trajectory = tuple(t * client.lr for t in range(client.local_steps())) if args.trajectory else ()
+        trajectory = local_step_offsets(client) if args.trajectory else ()
         for u in range(min(args.updates, update.shape[0])):
             one = {name: grads[u] for name, grads in split.items()}
             worst, median = true_token_distances(attack, target, one, ids[u])

@@ -224,6 +224,13 @@ def reorder(values: Tensor, order: Tensor) -> Tensor:
     return values.gather(1, index)
 
 
+def reorder_sequences(order: Tensor, *flat: Tensor) -> tuple[Tensor, ...]:
+    """Each (U, m*L) tensor with every update's m sequences put in `order` (U, m): `reorder` on the
+    (U, m, L) view, flattened back."""
+    updates, sequences = order.shape
+    return tuple(reorder(values.view(updates, sequences, -1), order).reshape(updates, -1) for values in flat)
+
+
 def match_samples(preds: Tensor, targets: Tensor) -> Tensor:
     """Reorder each update's m reconstructions to best match its references (Hungarian on per-sample MSE)."""
     if preds.shape[1] == 1:

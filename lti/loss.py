@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from datamodules.metrics import assign, reorder
+from datamodules.metrics import assign, reorder_sequences
 
 
 def position_loss(logits: Tensor, target: Tensor, mask: Tensor) -> Tensor:
@@ -42,11 +42,8 @@ def matched_targets(logits: Tensor, targets: Tensor, mask: Tensor, sequences: in
     prediction. The assignment is a choice, not a function the gradient flows through."""
     if sequences == 1:
         return targets, mask
-    updates = targets.shape[0]
     order = assign(sequence_costs(logits, targets, mask, sequences))
-    shape = (updates, sequences, -1)
-    return (reorder(targets.view(shape), order).reshape(updates, -1),
-            reorder(mask.view(shape), order).reshape(updates, -1))
+    return reorder_sequences(order, targets, mask)
 
 
 class InverterLoss:

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from lti.inverters import EmbeddingInverter, Inverter
 from datamodules.registry import materialize
-from datamodules.metrics import RougeScores, TokenAccuracy, match_sequences, reorder, rouge_f, token_accuracy
+from datamodules.metrics import RougeScores, TokenAccuracy, match_sequences, reorder_sequences, rouge_f, token_accuracy
 from lti.loss import InverterLoss
 from datamodules.training_stream import NEGATIVES, step_generator
 
@@ -197,8 +197,7 @@ class InversionModule(LearnedInversionModule):
         if sequences > 1:  # score the m predicted sequences against the true ones they match (no order)
             shape = (updates, sequences, -1)
             order = match_sequences(preds.view(shape), targets.view(shape), mask.view(shape))
-            targets = reorder(targets.view(shape), order).reshape(updates, -1)
-            mask = reorder(mask.view(shape), order).reshape(updates, -1)
+            targets, mask = reorder_sequences(order, targets, mask)
         getattr(self, f"{stage}_token_acc").update(preds, targets, mask)
         self.log(f"{stage}/lti/token_acc", getattr(self, f"{stage}_token_acc"), prog_bar=True, batch_size=updates,
                  on_step=stage == "train", on_epoch=True)

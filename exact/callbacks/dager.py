@@ -24,7 +24,7 @@ from lightning.pytorch import LightningModule, Trainer
 
 from datamodules.metrics import ROUGE_TYPES, score_batch
 from exact.callbacks.base import ExactAttackCallback
-from exact.dager import Dager
+from exact.dager import Dager, local_step_offsets
 from exact.dager.feasibility import feasibility_notes
 
 
@@ -78,14 +78,9 @@ class DagerCallback(ExactAttackCallback):
         )
 
     def _trajectory(self, pipeline: Any) -> tuple[float, ...]:
-        """Offsets t * lr of a multi-step client's local steps t = 0..T-1 (the update DAGER reads is
-        the mean of their gradients: `gradient_scale`), or () for FedSGD and when not following."""
-        client = getattr(pipeline, "client", None)
-        steps = client.local_steps() if client is not None and hasattr(client, "local_steps") else 1
-        lr = getattr(client, "lr", None)
-        if not self.follow_trajectory or steps <= 1 or lr is None:
-            return ()
-        return tuple(t * float(lr) for t in range(steps))
+        """Offsets t * lr of a multi-step client's local steps (the update DAGER reads is the mean of
+        their gradients: `gradient_scale`), or () for FedSGD and when not following."""
+        return local_step_offsets(getattr(pipeline, "client", None)) if self.follow_trajectory else ()
 
     def _run(self, trainer: Trainer, pl_module: LightningModule, batch: dict, update: torch.Tensor, pipeline: Any,
              stage: str) -> None:

@@ -21,8 +21,8 @@ gradients); `result.DagerResult` is what it returns.
 Plain PyTorch: this package never imports Lightning.
 """
 
-from exact.dager.attack import Dager, dager_attack
+from exact.dager.attack import Dager, dager_attack, local_step_offsets
 from exact.dager.result import DagerResult
 from exact.dager.span import SpanBasis, span_basis, token_distances
 
-__all__ = ["Dager", "DagerResult", "SpanBasis", "dager_attack", "span_basis", "token_distances"]
+__all__ = ["Dager", "DagerResult", "SpanBasis", "dager_attack", "local_step_offsets", "span_basis", "token_distances"]

@@ -226,6 +226,16 @@ class Dager:
         return tuple(points[i] for i in picks)
 
 
+def local_step_offsets(client: Any) -> tuple[float, ...]:
+    """The `trajectory` of a local-SGD client (FedAvg): offsets t * lr of its local steps t = 0..T-1,
+    from its protocol (known to the server); () for a client without several steps and a learning rate."""
+    steps = client.local_steps() if hasattr(client, "local_steps") else 1
+    lr = getattr(client, "lr", None)
+    if steps <= 1 or lr is None:
+        return ()
+    return tuple(t * float(lr) for t in range(steps))
+
+
 def _passed(result: DagerResult) -> int:
     """Sequences that passed both span tests (a relaxed result's ranked guesses did not)."""
     return len(result.sequences) if result.diagnostics.get("mode") == "strict" else 0
