@@ -32,8 +32,10 @@ def check_sizes(batch_size: int, train_samples: int | None, eval_samples: int | 
 class InversionDataModule(LightningDataModule):
     """Base of the inversion DataModules (not used on its own)."""
 
-    #: The split the attacks train on, and the split(s) they are evaluated on, per loader.
+    #: The split the attacks train on, the server's real data (exact attacks' priors), and the
+    #: split(s) they are evaluated on, per loader.
     train_split = "auxiliary"
+    prior_split = "auxiliary"
     eval_splits = {"val": "evaluation", "test": "evaluation"}
 
     def _build_pipeline(
@@ -78,7 +80,7 @@ class InversionDataModule(LightningDataModule):
         a prior (never evaluation data)."""
         if self._splits is None:
             raise RuntimeError("call setup() before asking for auxiliary inputs")
-        inputs = self._splits[self.train_split].fields[self.pipeline.loss.fields[0]]
+        inputs = self._splits[self.prior_split].fields[self.pipeline.loss.fields[0]]
         return inputs.reshape(-1, *inputs.shape[2:])[:limit]
 
     # ---------------------------------------------------------------- loaders

@@ -32,7 +32,7 @@ class TextInversionDataModule(InversionDataModule):
         target: TargetLM = lazy_instance(Transformer3),
         corpus: TextCorpus = lazy_instance(EmbeddedCorpus),
         tokenizer: str = "embedded-gpt2",
-        training_data: Literal["auxiliary", "pseudo"] = "auxiliary",
+        training_data: Literal["auxiliary", "pseudo", "pseudo_pool"] = "auxiliary",
         marginal_file: str | None = None,
         seq_len: int = 16,
         packing: Literal["blocks", "lines"] = "blocks",
@@ -47,6 +47,7 @@ class TextInversionDataModule(InversionDataModule):
         train_samples: int | None = None,
         eval_samples: int | None = 1000,
         pseudo_batches_per_epoch: int | None = None,
+        pseudo_pool_size: int | None = None,
         keep_eval_updates: bool = True,
         num_workers: int = 0,
         seed: int = 0,
@@ -58,8 +59,10 @@ class TextInversionDataModule(InversionDataModule):
             target: The global model (default: the LTI paper's `transformer3`, random init).
             corpus: Text source with disjoint auxiliary/evaluation splits (default: embedded offline corpus).
             tokenizer: `embedded-gpt2` (offline GPT-2 BPE) or a name/folder for `AutoTokenizer`.
-            training_data: `auxiliary` (LTI: real auxiliary text) or `pseudo` (LTI-P: i.i.d. tokens
-                from the auxiliary corpus' unigram distribution, freshly drawn for every batch).
+            training_data: `auxiliary` (LTI: real auxiliary text), `pseudo` (LTI-P: i.i.d. tokens
+                from the auxiliary corpus' unigram distribution, freshly drawn for every batch) or
+                `pseudo_pool` (LTI-P from a fixed pool of such blocks drawn once with `seed`, reused
+                every epoch like auxiliary data, so its updates can be cached with `observation_cache`).
             marginal_file: Token counts (.npy/.pt/.json) to use instead of counting the auxiliary corpus.
             seq_len: Tokens per sequence L.
             packing: `blocks` (running text cut into L-token blocks) or `lines` (one sample per row, padded).
@@ -80,6 +83,7 @@ class TextInversionDataModule(InversionDataModule):
             eval_samples: Evaluate on the first this many held-out samples (sequences; grouped into
                 updates of `client.samples_per_update`) (None: all; paper: 1000).
             pseudo_batches_per_epoch: LTI-P batches per epoch (default: as many as auxiliary batches).
+            pseudo_pool_size: Samples in the `pseudo_pool` (default: as many as auxiliary samples).
             keep_eval_updates: Put the defended update into evaluation batches (needed by exact attacks).
             num_workers: DataLoader workers of the evaluation loaders (training batches are an index or a
                 draw made in the main process, so that a resumed run continues exactly; the update
@@ -93,13 +97,20 @@ class TextInversionDataModule(InversionDataModule):
                 (otherwise it is refused, naming the difference).
         """
         super().__init__()
-        if training_data not in ("auxiliary", "pseudo"):
-            raise ValueError(f"training_data {training_data!r} is not allowed; use 'auxiliary' (LTI) or 'pseudo' (LTI-P)")
+        if training_data not in ("auxiliary", "pseudo", "pseudo_pool"):
+            raise ValueError(
+                f"training_data {training_data!r} is not allowed; use 'auxiliary' (LTI), 'pseudo' (LTI-P) or 'pseudo_pool'"
+            )
+        if pseudo_pool_size is not None and (training_data != "pseudo_pool" or pseudo_pool_size < 1):
+            raise ValueError("pseudo_pool_size needs training_data 'pseudo_pool' and a positive size")
         if packing not in ("blocks", "lines"):
             raise ValueError(f"packing {packing!r} is not allowed; use 'blocks' or 'lines'")
         check_sizes(batch_size, train_samples, eval_samples)
         if training_data == "pseudo" and observation_cache:
-            raise ValueError("LTI-P draws fresh pseudo-data every batch, so there is nothing to cache; drop data.observation_cache")
+            raise ValueError(
+                "LTI-P draws fresh pseudo-data every batch, so there is nothing to cache; drop data.observation_cache "
+                "or train on a fixed pool (training_data: pseudo_pool)"
+            )
         target, corpus, client, defense, observed = map(materialize, (target, corpus, client, defense, observed))
         target.check_sequence_length(seq_len)
         self.tokenizer = load_tokenizer(tokenizer)
@@ -116,7 +127,10 @@ class TextInversionDataModule(InversionDataModule):
             batch_size, train_samples, eval_samples, keep_eval_updates, num_workers, seed,
             observation_cache, rebuild_observation_cache,
         )
-        self.pseudo_batches_per_epoch = pseudo_batches_per_epoch
+        self.pseudo_batches_per_epoch, self.pseudo_pool_size = pseudo_batches_per_epoch, pseudo_pool_size
+        # The pool is a split of its own, so exact attacks' priors (prior_split) and the majority
+        # baseline stay on the real auxiliary text.
+        self.train_split = "pseudo_pool" if training_data == "pseudo_pool" else "auxiliary"
         self._counts: Tensor | None = None
 
     # ---------------------------------------------------------------- data preparation
@@ -153,6 +167,11 @@ class TextInversionDataModule(InversionDataModule):
         self._counts = (
             load_counts(self.marginal_file, vocab) if self.marginal_file else token_counts(aux_ids, vocab, aux_mask)
         )
+        if self.training_data == "pseudo_pool":
+            # Drawn once from its own seeded generator: the same pool (and cache key) in every run and rank.
+            size = self.pseudo_pool_size or aux_ids.shape[0]
+            pool = MarginalSampler(self._counts).sample(size, self.seq_len, torch.Generator().manual_seed(self.seed))
+            self._splits["pseudo_pool"] = self._as_updates(None, True, input_ids=pool, attention_mask=torch.ones_like(pool))
         aux = self._splits["auxiliary"]
         flat = aux.fields["input_ids"].view(len(aux), -1)
         # Per-position majority token of the server's data: the attack-free baseline.

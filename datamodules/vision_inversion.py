@@ -28,7 +28,7 @@ from datamodules.targets.vision import FCNN, VisionTarget
 
 
 class ImageInversionDataModule(InversionDataModule):
-    train_split = "train"
+    train_split = prior_split = "train"
     eval_splits = {"val": "val", "test": "test"}
 
     def __init__(

@@ -166,3 +166,34 @@ def test_a_rank_that_does_not_build_refuses_a_missing_cache(corpus_files, tmp_pa
     with pytest.raises(ValueError, match="was not built by rank 0"):
         ObservationCache(tmp_path / "cache", dm.pipeline, dm._splits["auxiliary"], build=False)
     assert not (tmp_path / "cache").exists()
+
+
+def test_a_pseudo_pool_is_drawn_once_from_the_marginal_and_its_cached_updates_equal_on_the_fly_ones(corpus_files, tmp_path):
+    fly = _datamodule(corpus_files, training_data="pseudo_pool", pseudo_pool_size=20)
+    pool = fly._splits["pseudo_pool"].fields["input_ids"]
+    assert pool.shape == (20, 1, 8)
+    assert (fly._counts[pool.flatten()] > 0).all()  # only tokens the auxiliary text holds
+    again = _datamodule(corpus_files, training_data="pseudo_pool", pseudo_pool_size=20)
+    assert torch.equal(again._splits["pseudo_pool"].fields["input_ids"], pool)  # fixed by the seed
+    # The prior of exact attacks and the majority baseline stay on the real auxiliary text.
+    aux = fly._splits["auxiliary"].fields["input_ids"]
+    assert torch.equal(fly.auxiliary_inputs(5), aux.reshape(-1, 8)[:5])
+    batches = _first_batches(fly, 5)  # 5 batches of 4 = one epoch of the pool, every block once
+    seen = torch.cat([b["input_ids"].reshape(-1, 8) for b in batches])
+    assert sorted(map(tuple, seen.tolist())) == sorted(map(tuple, pool.reshape(-1, 8).tolist()))
+    cached = _first_batches(_datamodule(corpus_files, tmp_path / "cache", training_data="pseudo_pool", pseudo_pool_size=20), 5)
+    for a, b in zip(batches, cached):
+        assert torch.equal(a["input_ids"], b["input_ids"])
+        rms = a["features"].pow(2).mean(dim=1, keepdim=True).sqrt()
+        assert ((a["features"] - b["features"]).abs() / rms).max() < 2e-3
+
+
+def test_a_pool_cache_is_not_read_as_the_auxiliary_cache(corpus_files, tmp_path):
+    _first_batches(_datamodule(corpus_files, tmp_path / "cache"), 1)
+    with pytest.raises(ValueError, match="rebuild"):
+        _datamodule(corpus_files, tmp_path / "cache", training_data="pseudo_pool").train_dataloader()
+
+
+def test_pool_size_needs_a_pool(corpus_files):
+    with pytest.raises(ValueError, match="pseudo_pool_size needs"):
+        _datamodule(corpus_files, pseudo_pool_size=10)
