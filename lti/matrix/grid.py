@@ -144,7 +144,9 @@ def cell_commands(grid: Grid, protocol: Entry, defense: Entry, attack: Entry) ->
     args += [a for key, value in overrides.items() for a in _flag(key, value)]
     if attack.kind == "exact":
         return [["test", *args]]
-    return [["fit", *args], ["test", *args, "--ckpt_path", str(folder / "ckpt" / "last.ckpt")]]
+    # Every learned cell keeps its learning curve (rows only where the grid validates during training).
+    fit = ["fit", *args, *_flag("curve.path", str(folder / "curve.csv"))]
+    return [fit, ["test", *args, "--ckpt_path", str(folder / "ckpt" / "last.ckpt")]]
 
 
 def cell_fingerprint(grid: Grid, protocol: Entry, defense: Entry, attack: Entry) -> str:

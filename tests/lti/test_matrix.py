@@ -67,6 +67,8 @@ def test_cells_stack_configs_in_order_and_isolate_outputs(grid_file):
     configs = [fit[i + 1] for i, a in enumerate(fit) if a == "--config"]
     assert configs[-1].endswith("gaussian.yaml")
     assert fit[fit.index("--trainer.default_root_dir") + 1].endswith("fedsgd__gauss__lti/run")
+    assert fit[fit.index("--curve.path") + 1].endswith("fedsgd__gauss__lti/curve.csv")  # each learned cell its curve
+    assert "--curve.path" not in test
     (exact,) = cell_commands(grid, protocol, defense, grid.attacks[1])
     assert exact[0] == "test" and "--ckpt_path" not in exact
 
