@@ -110,7 +110,7 @@ class DagerCallback(ExactAttackCallback):
                 pipeline.target, {name: grads[u] for name, grads in split.items()},
                 batch_size=protocol_batch, max_length=protocol_length, trajectory=trajectory,
             )
-            self._say_feasibility(pl_module, pipeline, result.diagnostics, attack.min_codimension)
+            self._say_feasibility(pl_module, pipeline, result.diagnostics, attack.min_codimension, protocol_batch)
             scores = score_batch(
                 result.sequences, ids[u].cpu(), None if mask is None else mask[u].cpu(), decode, result.exact
             )
@@ -134,7 +134,8 @@ class DagerCallback(ExactAttackCallback):
         if self.log_samples and isinstance(getattr(pl_module, "samples", None), list):
             self._add_samples(pl_module.samples, batch, records, updates)
 
-    def _say_feasibility(self, pl_module: LightningModule, pipeline: Any, diagnostics: dict, min_codimension: int) -> None:
+    def _say_feasibility(self, pl_module: LightningModule, pipeline: Any, diagnostics: dict, min_codimension: int,
+                         batch_size: int | None = None) -> None:
         """Once per run, after the first attack: why exact recovery may be impossible here, from what the
         server has (the width, the defense, the update's ranks) (console and the metrics file's `notes`)."""
         if getattr(self, "_feasibility_said", False):
@@ -143,7 +144,8 @@ class DagerCallback(ExactAttackCallback):
         target = pipeline.target
         width = getattr(target, "hidden_size", None) or target.embedding_matrix.shape[1]
         notes = [f"DAGER: {note}" for note in feasibility_notes(
-            int(width), pipeline.defense.describe(), diagnostics.get("rank1"), diagnostics.get("rank2"), min_codimension)]
+            int(width), pipeline.defense.describe(), diagnostics.get("rank1"), diagnostics.get("rank2"), min_codimension,
+            diagnostics.get("candidates_per_position"), batch_size, bool(diagnostics.get("bidirectional")))]
         for note in notes:
             print(f"lti: note: {note}")
         if notes and isinstance(getattr(pl_module, "run_notes", None), list):

@@ -13,20 +13,28 @@ either. The attack still runs (its best effort is a result); these notes say why
 
 from __future__ import annotations
 
+#: A bidirectional search is blind when a typical position has more than this many candidates per sequence.
+_BLIND_FACTOR = 4
+
 #: Defenses (by their `describe()["name"]`) that break the low-rank structure DAGER relies on.
 SPAN_BREAKING = {"sign": "signs every coordinate", "prune": "zeroes all but the largest coordinates",
                  "gaussian": "adds noise to every coordinate", "dpsgd": "clips and adds noise to every coordinate"}
 
 
 def feasibility_notes(width: int, defense: dict | None = None, rank1: int | None = None, rank2: int | None = None,
-                      min_codimension: int = 4) -> list[str]:
+                      min_codimension: int = 4, candidates_per_position: list[int] | None = None,
+                      batch_size: int | None = None, bidirectional: bool = False) -> list[str]:
     """One sentence per reason exact recovery is impossible or unlikely (empty: nothing stands in the way).
 
     Reads only what the server has: the model's width, the protocol's defense, and the numerical ranks
     of the update's first- and second-layer gradients (`DagerResult.diagnostics` "rank1"/"rank2"), never
     the client's token count. A first-layer span of full rank lets every token pass; a second-layer span
     within `min_codimension` of full (more second-layer inputs, one per token in context, than the
-    width) lets any sequence pass, so no sequence can be told apart or certified.
+    width) lets any sequence pass, so no sequence can be told apart or certified. For a bidirectional
+    model, first-layer candidates far more numerous than the protocol's batch size at a typical
+    position (`candidates_per_position`, read from the update) mean that the first layer does not tell
+    positions apart (benchmarks/results/dager_cpu.md, "Encoders at B = 8"), so its search is a bounded
+    best effort.
     """
     notes = []
     if rank1 is not None and rank1 >= width:
@@ -36,6 +44,13 @@ def feasibility_notes(width: int, defense: dict | None = None, rank1: int | None
         notes.append(f"the second-layer gradient has rank {rank2} of width {width} (read from the update): more "
                      "tokens in context than the width, so the second-layer test cannot tell sequences apart and "
                      "nothing can be certified; the result is a best effort")
+    counts = sorted(candidates_per_position or [])
+    typical = counts[len(counts) // 2] if counts else 0  # the median position
+    if bidirectional and batch_size and typical > _BLIND_FACTOR * batch_size:
+        notes.append(f"the first-layer test passes {typical} tokens at a typical position for a batch of {batch_size} "
+                     "sequences: it cannot tell positions apart (an encoder's LN(word + position) inputs, once the "
+                     "batch's token-position pairs outnumber its tokens plus positions), so the bidirectional search "
+                     "over their combinations is a bounded best effort")
     parts = (defense or {}).get("defenses", [defense or {}])  # Compose lists its parts
     for part in parts:
         name = part.get("name") if isinstance(part, dict) else None

@@ -128,6 +128,7 @@ class _DagerRun:
             if stop:
                 break
         diag["candidates_per_position"] = [int(c.numel()) for c in candidates]
+        diag["bidirectional"] = not layers.causal
         diag["mode"] = "strict"
         if not candidates:
             diag["reason"] = "no token passed the first-layer span test"
@@ -279,7 +280,8 @@ class _DagerRun:
             candidates = [o.cpu() for o in orders]
             prior = [row[o] for row, o in zip(dist, orders)]
         diag["mode"] = "relaxed"
-        diag["candidates_per_position"] = [int(c.numel()) for c in candidates]
+        # The strict attempt's first-layer counts stay in candidates_per_position (the feasibility notes read them).
+        diag["relaxed_candidates_per_position"] = [int(c.numel()) for c in candidates]
         probe = self._probe(basis2)
         beam = max(1, batch_size or 1) * 2
         if layers.causal:

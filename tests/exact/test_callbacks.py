@@ -64,6 +64,13 @@ def test_feasibility_notes_name_each_reason():
     (second,) = feasibility_notes(768, None, rank1=522, rank2=767)
     assert "second-layer gradient has rank 767 of width 768" in second and "best effort" in second
     assert feasibility_notes(768, None, rank1=522, rank2=764) == []  # 4 dimensions to spare: the test can work
+    # A bidirectional model whose first layer passes far more tokens per position than the batch holds.
+    (blind,) = feasibility_notes(384, None, 135, 191, candidates_per_position=[1] + [95] * 30, batch_size=8,
+                                 bidirectional=True)
+    assert "passes 95 tokens at a typical position for a batch of 8" in blind and "best effort" in blind
+    assert feasibility_notes(384, None, 135, 191, candidates_per_position=[1] + [95] * 30, batch_size=8) == []  # causal
+    assert feasibility_notes(384, None, 30, 40, candidates_per_position=[1] + [9] * 30, batch_size=8,
+                             bidirectional=True) == []
     composed = {"name": "compose", "defenses": [{"name": "prune", "fraction_removed": 0.9}, {"name": "gaussian", "sigma": 0.1}]}
     notes = feasibility_notes(16, composed)
     assert len(notes) == 2 and "prune" in notes[0] and "gaussian" in notes[1]

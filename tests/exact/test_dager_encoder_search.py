@@ -131,3 +131,23 @@ def test_pretrained_minilm_two_sentences_if_installed():
     )
     assert max(result.diagnostics["candidates_per_position"]) >= 8
     assert sorted(result.sequences) == sorted(seqs) and result.exact
+
+
+def test_a_first_layer_blind_to_positions_is_reported_once_as_the_reason():
+    """An encoder's first-layer inputs LN(word + position) span the sum space of the batch's words and
+    positions once their pairs outnumber them: then every batch token passes at every position
+    (benchmarks/results/dager_cpu.md, "Encoders at B = 8"). The attack records the first-layer counts
+    (kept through the relaxed fallback) and the feasibility note names the blindness."""
+    from exact.dager.feasibility import feasibility_notes
+
+    target = encoder()
+    ids, mask = repetitive_batch([16, 16, 16], seed=0, words=20)  # 48 pairs > 20 words + 16 positions + 2
+    distinct = int(ids[:, 1:-1].unique().numel())
+    result = Dager(eos_token_id=EOS, encoder_token_budget=5_000).attack(
+        target, client_update(target, ids, mask), batch_size=3, max_length=16)
+    diag = result.diagnostics
+    cands = diag["candidates_per_position"]
+    assert diag["bidirectional"] and len(cands) == 16
+    assert sorted(cands)[8] >= distinct  # every word of the batch passes at a typical position
+    (note,) = feasibility_notes(128, None, diag["rank1"], diag["rank2"], 4, cands, 3, diag["bidirectional"])
+    assert f"passes {sorted(cands)[8]} tokens at a typical position for a batch of 3" in note
