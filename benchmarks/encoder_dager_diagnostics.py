@@ -61,9 +61,12 @@ def capture_search(target, update, dager, batch_size, max_length):
 
 
 def beam_survival(probe, candidates, seqs, eos, threshold, schedule) -> None:
-    """The completion beam (EncoderSearch.completion_beam) with a width per position from `schedule`
-    (the last entry repeats), printing per position how many of the true sentences' prefixes are
-    still in the beam, and which sentences were found."""
+    """A length-free left-to-right beam (tried for the encoder search and not kept: dager_cpu.md,
+    "Encoders at B = 8"): every prefix is extended by every candidate and closed with the end token;
+    an extension whose every position passes is a found sentence, the others are ranked by their mean
+    second-layer distance. The width per position comes from `schedule` (the last entry repeats).
+    Prints per position how many of the true sentences' prefixes are still in the beam, and how many
+    sentences were found."""
     truth = {tuple(s) for s in seqs}
     prefixes, found, spent = candidates[0][:, None], set(), 0
     for p in range(1, len(candidates) - 1):

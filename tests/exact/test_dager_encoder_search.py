@@ -133,7 +133,7 @@ def test_pretrained_minilm_two_sentences_if_installed():
     assert sorted(result.sequences) == sorted(seqs) and result.exact
 
 
-def test_a_first_layer_blind_to_positions_is_reported_once_as_the_reason():
+def test_a_first_layer_blind_to_positions_is_named_as_the_reason():
     """An encoder's first-layer inputs LN(word + position) span the sum space of the batch's words and
     positions once their pairs outnumber them: then every batch token passes at every position
     (benchmarks/results/dager_cpu.md, "Encoders at B = 8"). The attack records the first-layer counts
