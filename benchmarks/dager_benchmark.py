@@ -90,6 +90,23 @@ def sentences(path: Path, tokenizer, max_tokens: int = 32, min_tokens: int = 4) 
     return out
 
 
+def rt_sentences(tokenizer, max_tokens: int = 48, min_tokens: int = 4) -> list[list[int]]:
+    """The Rotten Tomatoes polarity sentences shipped in gensim's test data (200, labels dropped), in file order.
+
+    SST-2's sentences are Rotten Tomatoes review sentences; these are the same kind of text (25 GPT-2 tokens on
+    average against WikiText's 17), so the `gpt2-rt-*` rows stand in for the paper's SST-2 rows."""
+    spec = importlib.util.find_spec("gensim")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("the Rotten Tomatoes rows need gensim (pip install gensim), whose test data holds the sentences")
+    path = Path(list(spec.submodule_search_locations)[0]) / "test" / "test_data" / "pang_lee_polarity.cor"
+    out = []
+    for line in path.read_text(encoding="latin-1").splitlines():
+        ids = tokenizer.encode(" " + line.split(" ", 1)[1].strip())
+        if min_tokens <= len(ids) <= max_tokens:
+            out.append(ids)
+    return out
+
+
 def blocks(path: Path, tokenizer, length: int = 16, limit: int = 4096) -> list[list[int]]:
     """The LTI data format: the text concatenated and cut into fixed blocks of `length` tokens."""
     ids: list[int] = []
@@ -160,6 +177,7 @@ class Row:
     batches: int = 2
     observe_all: bool = False  # observe every parameter (needed for whole-vector defenses)
     local_epochs: int = 0  # > 0: a FedAvg client with this many local epochs (minibatches of 2, --fedavg-lr)
+    text: str = "wikitext"  # "wikitext" or "rt": Rotten Tomatoes review sentences (SST-2's source), longer
     results: dict = field(default_factory=dict)
 
 
@@ -169,7 +187,9 @@ def default_rows(scale: float = 1.0) -> list[Row]:
     def n(base: int) -> int:
         return max(1, round(base * scale))
 
-    rows = [Row(f"gpt2-B{b}", "gpt2", b, batches=n(k)) for b, k in ((1, 8), (2, 4), (4, 4), (8, 2), (16, 2), (32, 1), (64, 1))]
+    rows = [Row(f"gpt2-B{b}", "gpt2", b, batches=n(k)) for b, k in ((1, 8), (2, 4), (4, 4), (8, 2), (16, 2), (32, 1), (64, 1), (128, 1))]
+    # SST-2-like: the Rotten Tomatoes sentences SST-2 was built from (4-48 GPT-2 tokens, 25 on average).
+    rows += [Row(f"gpt2-rt-B{b}", "gpt2", b, batches=n(1), text="rt") for b in (8, 32, 64, 128)]
     rows += [Row(f"t3-B{b}", "t3", b, batches=n(k)) for b, k in ((1, 8), (4, 2), (8, 2))]
     rows += [Row(f"minilm-B{b}", "minilm", b, batches=n(k)) for b, k in ((1, 4), (2, 2), (4, 1), (8, 1))]
     rows += [Row(f"smollm2-B{b}", "smollm2", b, batches=n(k)) for b, k in ((1, 4), (2, 2), (4, 2), (8, 1), (16, 1))]
@@ -177,6 +197,9 @@ def default_rows(scale: float = 1.0) -> list[Row]:
         for defense in ("sign", "prune", "gauss", "dpsgd"):
             rows.append(Row(f"{model}-B1-{defense}", model, 1, defense=defense, batches=n(4), observe_all=True))
         rows.append(Row(f"{model}-B1-train", model, 1, mode="train", batches=n(4), observe_all=True))
+    # Train-mode dropout at a batch size the eval-mode attack recovers exactly (t3: 8 x 16 tokens exceed d = 96).
+    rows.append(Row("t3-B4-train", "t3", 4, mode="train", batches=n(2), observe_all=True))
+    rows.append(Row("gpt2-B8-train", "gpt2", 8, mode="train", batches=n(2), observe_all=True))
     for model in ("t3", "gpt2"):
         for epochs in (2, 5, 10):
             # The whole delta observed (but the token embedding): the trajectory can only move what is observed.
@@ -238,7 +261,12 @@ class Context:
     offset: int = 0
 
 
-def context(kind: str, data: dict, gpt2_tok) -> Context:
+def context(kind: str, data: dict, gpt2_tok, text: str = "wikitext") -> Context:
+    if text != "wikitext":  # only GPT-2 rows read other texts; each text keeps its own place in its pool
+        key = f"{kind}-{text}"
+        if key not in data:
+            data[key] = Context(rt_sentences(gpt2_tok), gpt2_tok.eos_token_id, gpt2_tok.decode, Dager(**data["dager"]), 48)
+        return data[key]
     if kind in data:
         return data[kind]
     if kind == "gpt2":
@@ -271,7 +299,9 @@ def context(kind: str, data: dict, gpt2_tok) -> Context:
 def run_row(row: Row, data: dict, tokenizer, generator: torch.Generator) -> dict:
     train = row.mode == "train"
     target = model(row.model, train)
-    ctx = context(row.model, data, tokenizer)
+    ctx = context(row.model, data, tokenizer, row.text)
+    if row.text != "wikitext":  # a 191-sentence pool: every such row starts at its first sentence
+        ctx.offset = 0
     layers = find_layers(target)
     if row.observe_all:
         observed = ParameterSelection()  # the paper's server: everything but the token embedding

@@ -197,6 +197,10 @@ class DagerLayers:
     hf_base_model: nn.Module | None = None
     #: Token-type / position details a probe needs (BERT: token_type_ids of zeros are the default).
     hidden_size: int = 0
+    #: Rate of the dropout on the summed embeddings before the first attention (0: none, or unknown).
+    embedding_dropout: float = 0.0
+    #: Attention heads of the first layer (None when the attention module does not say).
+    first_heads: int | None = None
 
     def observed_names(self, which: str = "qkv") -> list[str]:
         """Parameter names DAGER reads from the update dict (the final norm's are optional)."""
@@ -391,6 +395,10 @@ def _layers(target: nn.Module, arch: Architecture, hf: nn.Module | None) -> Dage
         raise ValueError("DAGER needs at least two attention layers")
     first, _ = _attention(target, arch, 0)
     second, second_input = _attention(target, arch, 1)
+    dropout = _maybe_module(target, _path(arch.embedding_dropout), nn.Dropout) if arch.embedding_dropout else None
+    _, block0 = _find_module(target, _path(arch.block_name(0)))
+    heads = next((int(getattr(m, a)) for m in block0.modules() for a in ("num_heads", "num_attention_heads")
+                  if isinstance(getattr(m, a, None), int)), None)
     causal = arch.causal
     if isinstance(causal, str):
         causal = bool(getattr(target if config is None else config, causal, False))
@@ -405,6 +413,8 @@ def _layers(target: nn.Module, arch: Architecture, hf: nn.Module | None) -> Dage
         rope=arch.rope,
         final_norm=detect_final_norm(target, head),
         hf_base_model=hf.base_model if arch.kv_cache and hf is not None else None,
+        embedding_dropout=float(dropout[1].p) if dropout is not None else 0.0,
+        first_heads=heads,
     )
 
 

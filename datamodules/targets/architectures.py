@@ -60,6 +60,9 @@ class Architecture:
     positions: str | None = None  #: absolute position embedding module; None for rotary models
     token_types: str | None = None  #: token-type embedding (type 0 is added to every token), if any
     embedding_norm: str | None = None  #: normalisation right after the embeddings (BERT)
+    #: Dropout on the summed embeddings before the first attention's normalisation (name ending in the
+    #: whole model); a train-mode client masks the first-layer inputs with it (`exact.dager.dropout`).
+    embedding_dropout: str | None = None
     #: Normalisation inside a block before attention (pre-LN), relative to the block. A block with
     #: `norm_first = False` (transformer3's post-LN default) reads its input un-normalised.
     attention_norm: str | None = None
@@ -122,6 +125,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             embedding="token_embedding",
             scale_embedding=True,
             positions="position_embedding",
+            embedding_dropout="embedding_dropout",
             attention_norm="norm1",
             norm="layernorm",
             causal="causal",
@@ -147,6 +151,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             fused_qkv="GPT-2 fuses query/key/value in attn.c_attn; name selection cannot slice columns, use 'attn_qkv'",
             embedding="wte",
             positions="wpe",
+            embedding_dropout="drop",
             attention_norm="ln_1",
             norm="layernorm",
             causal=True,

@@ -55,6 +55,7 @@ class Dager:
         eos_token_id: int | None = None,
         seed: int = 0,
         max_trajectory_points: int = 6,
+        dropout_search: bool = True,
     ) -> None:
         """
         Args:
@@ -99,6 +100,9 @@ class Dager:
             max_trajectory_points: Multi-step clients: the second-layer test runs at most at this many points
                 of the client's path (evenly spread over its local steps, the global weights included);
                 each costs one more block-1 pass per candidate.
+            dropout_search: A causal model with dropout on its embeddings (GPT-2's embd_pdrop), whose strict
+                test finds nothing: look for each first-layer input's dropout mask and chain the inputs by
+                their query gradients (exact.dager.dropout) before falling back to the relaxed best effort.
         """
         if isinstance(dtype, str):
             if dtype not in ("float64", "float32"):
@@ -140,6 +144,7 @@ class Dager:
         if max_trajectory_points < 2:
             raise ValueError(f"DAGER max_trajectory_points={max_trajectory_points} must be >= 2 (the global weights and one more)")
         self.max_trajectory_points = int(max_trajectory_points)
+        self.dropout_search = bool(dropout_search)
         # Which layers DAGER reads in a model does not depend on the options: looked up once per model,
         # and shared with the attacks derived by `with_options`.
         self._layers: weakref.WeakKeyDictionary[nn.Module, DagerLayers] = weakref.WeakKeyDictionary()

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from exact.dager.causal import causal_search
+from exact.dager.dropout import dropout_attack
 from exact.dager.encoder import EncoderSearch
 from exact.dager.last_token import recover_last_tokens
 from exact.dager.probe import _SecondLayer
@@ -91,6 +92,11 @@ class _DagerRun:
                 f"span (nearly) full: ranks {r1}, {r2} of d = {d} (B*L >= d, or noise); a random vector would "
                 f"pass the second-layer test by chance"
             )
+        if config.dropout_search and layers.embedding_dropout > 0 and layers.causal and not layers.rope and r1 < d:
+            # A train-mode client masked its first-layer inputs: find the masks, chain by the keys.
+            result = dropout_attack(self, basis1)
+            if result is not None:
+                return result
         if not config.relaxed or min(r1, r2, d - 1) <= 0:
             return degenerate(diag, diag.get("reason", "no sequence passed the span tests"))
         # Best effort: the span truncated below d, tokens ranked by distance instead of thresholded.
