@@ -296,6 +296,22 @@ def context(kind: str, data: dict, gpt2_tok, text: str = "wikitext") -> Context:
     return ctx
 
 
+def paper_matching_rouge1(predictions: list[list[int]], refs: list[list[int]], decode) -> float:
+    """ROUGE-1 F as the DAGER reference code scores decoders (`attack.py`, its final matching): each reference
+    is paired with the prediction sharing the most tokens at the same positions, and one prediction may
+    serve several references. Our own columns match one-to-one (Hungarian), so a best effort that
+    repeats one good sentence scores higher here than there."""
+    from datamodules.metrics import rouge_f
+
+    if not predictions:
+        return 0.0
+    total = 0.0
+    for ref in refs:
+        best = max(predictions, key=lambda p: sum(1 for a, b in zip(p, ref) if a == b))
+        total += rouge_f(decode(best), decode(ref))["rouge1"]
+    return total / max(1, len(refs))
+
+
 def run_row(row: Row, data: dict, tokenizer, generator: torch.Generator) -> dict:
     train = row.mode == "train"
     target = model(row.model, train)
@@ -337,9 +353,13 @@ def run_row(row: Row, data: dict, tokenizer, generator: torch.Generator) -> dict
             seconds.append(time.perf_counter() - t0)
         peaks.append(mem.peak - mem.start)
         metrics.append(score_batch(result.sequences, ids[0], mask[0], ctx.decode, result.exact))
+        metrics[-1]["paper_rouge1"] = paper_matching_rouge1(result.sequences, seqs, ctx.decode)
+        metrics[-1]["batch_tokens"] = sum(len(s) for s in seqs)
         data["last_diag"] = result.diagnostics
     n = sum(m["count"] for m in metrics)
-    agg = {k: sum(m[k] * m["count"] for m in metrics) / n for k in ("rouge1", "rouge2", "rougeL", "token_acc", "exact_fraction")}
+    agg = {k: sum(m[k] * m["count"] for m in metrics) / n
+           for k in ("rouge1", "rouge2", "rougeL", "token_acc", "exact_fraction", "paper_rouge1")}
+    agg["batch_tokens"] = sum(m["batch_tokens"] for m in metrics) / len(metrics)
     agg.update(
         seconds=sum(seconds) / len(seconds), client_seconds=sum(client_s) / len(client_s),
         peak_mib=max(peaks) / 2**20, rss_gib=_rss_bytes() / 2**30, batches=row.batches,
@@ -361,6 +381,9 @@ def main(argv=None) -> None:
     parser.add_argument("--fedavg-lr", type=float, default=1e-3, help="FedAvg rows: the client's learning rate")
     parser.add_argument("--fedavg-dtype", choices=["model", "float64"], default="model",
                         help="FedAvg rows: the client's arithmetic (float64: exact deltas, the attack's best case)")
+    parser.add_argument("--paper-matching", action="store_true",
+                        help="add two columns: the tokens per update, and ROUGE-1 with the reference code's decoder "
+                             "matching (each reference takes its best prediction, which may serve several)")
     parser.add_argument("--no-trajectory", action="store_true",
                         help="FedAvg rows: second-layer test at the global weights only (before 2026-11-24)")
     args = parser.parse_args(argv)
@@ -400,7 +423,7 @@ def main(argv=None) -> None:
           f"threads {torch.get_num_threads()}  {platform.processor() or platform.machine()}")
     header = (
         "| row | model | B | client | defense | batches | ROUGE-1 | ROUGE-2 | token acc | exact seqs | "
-        "certified | mode | rank | s/batch | client s | peak MiB |"
+        "certified | mode | rank | s/batch | client s | peak MiB |" + (" tokens | R-1 paper matching |" if args.paper_matching else "")
     )
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
@@ -416,7 +439,8 @@ def main(argv=None) -> None:
             f"| {row.name} | {label} | {row.batch_size} | {client} | {row.defense} | {r['batches']} | "
             f"{100 * r['rouge1']:.1f} | {100 * r['rouge2']:.1f} | {100 * r['token_acc']:.1f} | "
             f"{100 * r['exact_fraction']:.0f}% | {100 * r['certified']:.0f}% | {r['mode']} | {r['rank']} | "
-            f"{r['seconds']:.2f} | {r['client_seconds']:.1f} | {r['peak_mib']:.0f} |",
+            f"{r['seconds']:.2f} | {r['client_seconds']:.1f} | {r['peak_mib']:.0f} |"
+            + (f" {r['batch_tokens']:.0f} | {100 * r['paper_rouge1']:.1f} |" if args.paper_matching else ""),
             flush=True,
         )
     print(f"\ntotal {time.perf_counter() - total:.0f} s")

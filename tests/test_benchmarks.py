@@ -1,6 +1,7 @@
 """Benchmarks that quote numbers in the docs: they run, and their derived columns follow from the measured ones."""
 
 import importlib.util
+import sys
 
 import pytest
 
@@ -12,6 +13,7 @@ def load_benchmark(name: str):
     """benchmarks/<name>.py as a module (the folder is scripts, not a package)."""
     spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the file runs
     spec.loader.exec_module(module)
     return module
 
@@ -193,3 +195,35 @@ def test_dager_ranked_beam_diagnostic_recovers_a_small_batch(tiny_gpt2):
     update, _ = module.observed_update(tiny_gpt2, seqs, pad_id=0)
     out = module.ranked_beam(tiny_gpt2, seqs, update, beam=8, rank=31, steps=[1, 2])
     assert out["prefixes"] == {1: (2, 2), 2: (2, 2)} and out["whole"] == 2
+
+
+def test_dager_benchmark_paper_matching_lets_one_prediction_serve_several_references():
+    """The reference code pairs each reference with its best prediction (reuse allowed); our columns pair
+    one-to-one. One right sentence repeated scores full marks for it there, half here."""
+    from datamodules.metrics import score_batch
+
+    import torch
+
+    module = load_benchmark("dager_benchmark")
+    decode = lambda ids: " ".join(f"w{i}" for i in ids)  # noqa: E731
+    refs = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    predictions = [[1, 2, 3, 4], [1, 2, 3, 4]]
+    assert module.paper_matching_rouge1(predictions, refs, decode) == pytest.approx(0.5)  # ref 2 shares nothing
+    assert module.paper_matching_rouge1([[5, 6, 7, 8]], refs, decode) == pytest.approx(0.5)
+    assert module.paper_matching_rouge1([[1, 2, 3, 4], [5, 6, 7, 0]], refs, decode) == pytest.approx((1 + 0.75) / 2)
+    ours = score_batch([[1, 2, 3, 4]] * 2, torch.tensor(refs), None, decode)
+    many = module.paper_matching_rouge1([[1, 2, 3, 4], [5, 6, 0, 0]], [[1, 2, 3, 4], [1, 2, 3, 9]], decode)
+    assert many == pytest.approx((1 + 0.75) / 2) and ours["rouge1"] == pytest.approx(0.5)
+
+
+def test_dager_benchmark_rotten_tomatoes_sentences_come_from_gensim_test_data():
+    pytest.importorskip("gensim")
+    module = load_benchmark("dager_benchmark")
+
+    class Words:  # a stand-in tokenizer: one id per word
+        def encode(self, text):
+            return [len(w) for w in text.split()]
+
+    pool = module.rt_sentences(Words(), max_tokens=48, min_tokens=4)
+    assert 150 <= len(pool) <= 200 and all(4 <= len(s) <= 48 for s in pool)
+    assert pool[0] == [len(w) for w in "simplistic , silly and tedious .".split()]  # the file's first line, label dropped

@@ -216,8 +216,17 @@ def _verified(basis, inputs, pre, dropped, tokens, position, rate, threshold) ->
     return [MaskedInput(int(tokens[i]), position, dropped[i].cpu(), vectors[i], float(distance[i])) for i in keep]
 
 
+def short_positions(found: list[MaskedInput]) -> set[int]:
+    """Positions with fewer inputs than the next one: every sequence that reaches p + 1 has an input at p,
+    so an input is missing there (a second copy of a pair, or a token the screen ranked low)."""
+    counts: dict[int, int] = {}
+    for m in found:
+        counts[m.position] = counts.get(m.position, 0) + 1
+    return {p for p in counts if counts.get(p + 1, 0) > counts[p]} | ({0} if found and 0 not in counts else set())
+
+
 def _second_masks(basis, inputs, pursuit: MaskPursuit, found: list[MaskedInput], expected: int, rate: float,
-                  threshold: float, tries: int = 3, hold: float = 0.8) -> int:
+                  threshold: float, tries: int = 3, hold: float = 0.8, apart: float = 0.05) -> int:
     """Further inputs of already found (token, position) pairs (sequences sharing a token at a
     position), until `expected` inputs are found in all. Returns how many were added.
 
@@ -229,10 +238,7 @@ def _second_masks(basis, inputs, pursuit: MaskPursuit, found: list[MaskedInput],
     input again with a near-zero coordinate changed).
     """
     dtype, device = basis.u.dtype, basis.u.device
-    counts: dict[int, int] = {}
-    for m in found:
-        counts[m.position] = counts.get(m.position, 0) + 1
-    short = {p for p in counts if counts.get(p + 1, 0) > counts[p]}
+    short = short_positions(found)
     known = torch.linalg.qr(torch.stack([m.vector for m in found], 1).to(device)).Q  # (d, n)
     left = basis.range - known @ (known.T @ basis.range)
     left = torch.linalg.svd(left, full_matrices=False).U[:, : max(1, basis.rank - len(found))]
@@ -240,23 +246,26 @@ def _second_masks(basis, inputs, pursuit: MaskPursuit, found: list[MaskedInput],
     clean = torch.stack([inputs(torch.tensor([t], device=inputs.embedding.device), p, dtype)[0] for t, p in pairs]).to(device)
     score = (clean @ left).norm(dim=1) / clean.norm(dim=1)
     order = sorted(range(len(pairs)), key=lambda i: (pairs[i][1] not in short, -float(score[i])))
+    generator = torch.Generator().manual_seed(0)
     added = 0
     for index in order:
         token, position = pairs[index]
         pre = inputs.pre_norm(torch.tensor([token], device=inputs.embedding.device), position, dtype).to(device)
         copies = [m for m in found if m.token == token and m.position == position]
-        failures, budget = 0, tries * (2 if position in short else 1)  # a short position surely has copies
+        failures, budget = 0, tries * (4 if position in short else 1)  # a short position surely has copies
         while len(found) < expected and failures < budget:
             forbid = torch.zeros(1, basis.dim, dtype=torch.bool, device=device)
             for m in copies:
                 forbid[0] |= m.dropped.to(device)
+            if failures >= tries:  # later tries hold back a random half: the new mask may share many of them
+                forbid &= torch.rand(forbid.shape, generator=generator).to(device) < 0.5
             steps = max(1, int(hold * (1 + failures % tries) / tries * rate * basis.dim))
             dropped, _ = pursuit.run(pre, forbid=forbid, forbid_steps=steps)
             new = _verified(basis, inputs, pre, dropped, torch.tensor([token]), position, rate, threshold)
             if new:
                 span = torch.linalg.qr(torch.stack([m.vector for m in copies], 1)).Q
                 v = new[0].vector
-                if float((v - span @ (span.T @ v)).norm() / v.norm()) > 1e-3:
+                if float((v - span @ (span.T @ v)).norm() / v.norm()) > apart:
                     found.append(new[0])
                     copies.append(new[0])
                     added += 1
@@ -389,7 +398,8 @@ def dropout_attack(run, basis1: SpanBasis):
         if tried and len(found) >= expected:
             break
         tried = min(end, ranked.numel())
-        for position in range(steps):  # sequences are contiguous from 0: stop at a position with no input
+        short = short_positions(found)
+        for position in (sorted(short) if short else range(steps)):  # contiguous from 0: stop at an empty position
             done = tested.setdefault(position, set())
             new = torch.tensor([t for t in ranked[:end].tolist() if t not in done], dtype=torch.long)
             if new.numel():
