@@ -227,3 +227,25 @@ def test_dager_benchmark_rotten_tomatoes_sentences_come_from_gensim_test_data():
     pool = module.rt_sentences(Words(), max_tokens=48, min_tokens=4)
     assert 150 <= len(pool) <= 200 and all(4 <= len(s) <= 48 for s in pool)
     assert pool[0] == [len(w) for w in "simplistic , silly and tedious .".split()]  # the file's first line, label dropped
+
+
+def test_dropout_dager_diagnostics_separate_true_masked_inputs_from_wrong_pairs():
+    """benchmarks/dropout_dager_diagnostics.py on a tiny train-mode GPT-2 (d = 64, dropout 0.1): the
+    first layer's rank is the number of inputs, every true input's mask pursuit reaches 1e-6 within
+    the attack's budget, and random wrong pairs stay far from the span with as many atoms."""
+    import torch
+
+    from datamodules.targets import HFCausalLM
+
+    module = load_benchmark("dropout_dager_diagnostics")
+    torch.manual_seed(0)
+    target = HFCausalLM(architecture="gpt2", config=dict(n_layer=2, n_embd=64, n_head=4, vocab_size=300, n_positions=16,
+                                                         resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1))
+    seqs = [[5, 17, 42, 8, 99, 3], [7, 120, 250, 61, 12, 4]]
+    out = module.diagnose(target, seqs, module.train_mode_update(target, seqs, pad_id=0), positions=[0, 2],
+                          wrong=20, atoms=(6, 12, 20))
+    assert out["inputs"] == out["rank1"] == 10 and out["dim"] == 64
+    assert set(out["layer1"]) == {0, 2} and set(out["layer2"]) == {2}
+    reach = out["atoms_to_1e-6"]
+    assert reach["never"] == 0 and reach["max"] <= reach["budget"]
+    assert out["pursuit"][20]["true_max"] < 1e-5 < out["pursuit"][20]["wrong_min"]

@@ -63,9 +63,11 @@ class MaskedInput:
 
 
 def max_dropped(dim: int, rate: float) -> int:
-    """The most coordinates a Bernoulli(rate) mask drops, with five standard deviations to spare."""
+    """The pursuit's budget: the most coordinates a Bernoulli(rate) mask drops, six standard deviations
+    up, plus room for a few atoms the greedy pursuit picks wrongly first (GPT-2 B = 8: true inputs
+    need 60-113 atoms, the budget is 135; benchmarks/dropout_dager_diagnostics.py)."""
     mean = rate * dim
-    return min(dim - 1, int(math.ceil(mean + 5 * math.sqrt(dim * rate * (1 - rate)) + 2)))
+    return min(dim - 1, int(math.ceil(mean + 6 * math.sqrt(dim * rate * (1 - rate)) + 8)))
 
 
 def masked_vectors(inputs: FirstLayerInput, pre_norm: Tensor, dropped: Tensor, rate: float) -> Tensor:
@@ -116,12 +118,13 @@ class MaskPursuit:
         return col
 
     def run(self, e: Tensor, forbid: Tensor | None = None, forbid_steps: int = 0,
-            tol: float = 1e-10) -> tuple[Tensor, Tensor]:
+            tol: float = 1e-10, trace: list[Tensor] | None = None) -> tuple[Tensor, Tensor]:
         """e (k, d) pre-norm vectors -> (dropped (k, d) bool, relative residual (k,)).
 
         `forbid` (k, d) bool: coordinates a vector's pursuit may not choose in its first `forbid_steps`
         steps (to find a second mask: the known masks' coordinates are held back until the pursuit has
         committed to the other mask, then released for the few coordinates both masks drop).
+        `trace`: if a list, each step's relative residuals (k,) are appended (diagnostics).
         """
         e = e.to(self.n)
         k, d = e.shape
@@ -159,6 +162,8 @@ class MaskPursuit:
             chosen[ar[active], j[active]] = True
             basis = torch.cat([basis, col[:, :, None]], dim=2)
             residual = residual - (residual * col).sum(1, keepdim=True) * col
+            if trace is not None:
+                trace.append(residual.norm(dim=1) / scale)
             active = active & (residual.norm(dim=1) / scale > tol)
             if not bool(active.any()):
                 break
