@@ -282,6 +282,32 @@ def _second_masks(basis, inputs, pursuit: MaskPursuit, found: list[MaskedInput],
     return added
 
 
+def first_input_plane(dq_child: Tensor, key_child: Tensor, basis: SpanBasis, key_weight: Tensor,
+                      key_bias: Tensor | None, heads: int) -> Tensor:
+    """Where the missing position-0 input of a sequence lies, given its position-1 input (the child).
+
+    Causal attention: the child's query gradient lies, head by head, in span{k_0, k_1}; so the parent's
+    key k_0 = x_0 W_k + b_k lies in span{dq_1, k_1} for every head, with x_0 in the first-layer span.
+    That is linear in x_0 (and the bias's factor); its solutions are the child's own input (k_1 is in
+    the plane trivially) and the parent's. Returns an orthonormal (d, 2) basis of their plane.
+    """
+    width = key_weight.shape[1]
+    size = width // heads
+    rows, rhs = [], []
+    span = basis.range  # (d, r)
+    for h in range(heads):
+        sl = slice(h * size, (h + 1) * size)
+        plane = torch.linalg.qr(torch.stack([dq_child[sl], key_child[sl]], 1)).Q  # (size, 2)
+        away = torch.eye(size, dtype=span.dtype, device=span.device) - plane @ plane.T
+        rows.append(away @ key_weight[:, sl].T @ span)  # (size, r)
+        rhs.append(away @ (key_bias[sl] if key_bias is not None else torch.zeros(size, dtype=span.dtype)))
+    system, bias = torch.cat(rows), torch.cat(rhs)
+    if float(bias.norm()) > 0:  # [system, bias] [a; s] = 0: the parent and the child, each with s = 1
+        system = torch.cat([system, bias[:, None]], 1)
+    null = torch.linalg.svd(system, full_matrices=False).Vh[-2:, : span.shape[1]].T  # (r, 2)
+    return torch.linalg.qr(span @ null).Q
+
+
 def query_gradients(vectors: Tensor, query_block: Tensor) -> tuple[Tensor, float]:
     """Each input's query gradient from G_q = X^T dQ (fact 2): (n, width) and the relative fit residual."""
     x = vectors.T  # (d, n)
@@ -306,11 +332,13 @@ def span_residual(query: Tensor, keys: Tensor, heads: int) -> Tensor:
     return residual.norm(dim=1) / q.norm(dim=1).clamp_min(_TINY)
 
 
-def chain(found: list[MaskedInput], dq: Tensor, keys: Tensor, heads: int) -> tuple[list[list[int]], list[float], list[str]]:
+def chain(found: list[MaskedInput], dq: Tensor, keys: Tensor, heads: int,
+          orphans: list[int] | None = None) -> tuple[list[list[int]], list[float], list[str]]:
     """Fact 3: link the inputs into sequences, position by position (one-to-one assignment).
 
     Returns the sequences of input tokens (without their last token), each sequence's worst link score
     (the median over heads of the relative residual, ~1e-7 when exact) and notes on what went wrong.
+    `orphans`, if a list, receives the indices (into `found`) of inputs left without a predecessor.
     """
     from scipy.optimize import linear_sum_assignment
 
@@ -349,6 +377,8 @@ def chain(found: list[MaskedInput], dq: Tensor, keys: Tensor, heads: int) -> tup
             extended.append(s)
         for a in set(range(len(children))) - set(rows_.tolist()):  # more inputs than sequences: start new ones
             members.append([children[a]])
+            if orphans is not None:
+                orphans.append(children[a])
             worst.append(1.0)
             extended.append(len(members) - 1)
         open_ = extended
@@ -374,6 +404,29 @@ def batch_tokens(basis: SpanBasis, inputs: FirstLayerInput, positions: list[int]
     head = values[: limit + 1]
     cut = int((head[1:] - head[:-1]).argmax()) + 1 if head.numel() > 1 else head.numel()
     return order[: 4 * (limit + 1)].cpu(), cut
+
+
+def _identify(basis: SpanBasis, inputs: FirstLayerInput, plane: Tensor, child: Tensor, tokens: Tensor, rate: float,
+              threshold: float) -> MaskedInput | None:
+    """The (token, mask) at position 0 whose input lies in `plane` (from `first_input_plane`) and is not
+    the child's input: the token whose clean input is most aligned with the plane's direction away
+    from the child, its mask by the pursuit against the plane, verified against the first-layer span."""
+    c = plane.T @ child.to(plane)
+    away = plane @ torch.stack([-c[1], c[0]])  # the plane's direction orthogonal to the child
+    clean = inputs(tokens.to(inputs.embedding.device), 0, plane.dtype).to(plane.device)
+    cosine = (clean @ away).abs() / (clean.norm(dim=1) * away.norm()).clamp_min(_TINY)
+    best = int(cosine.argmax())
+    pre = inputs.pre_norm(tokens[best : best + 1].to(inputs.embedding.device), 0, plane.dtype).to(plane.device)
+    dropped, _ = MaskPursuit(span_basis_of(plane), inputs, max_dropped(basis.dim, rate)).run(pre)
+    found = _verified(basis, inputs, pre, dropped, tokens[best : best + 1], 0, rate, threshold)
+    return found[0] if found else None
+
+
+def span_basis_of(vector: Tensor) -> SpanBasis:
+    """The span basis of the columns of `vector` (d, k) (or of one vector (d,))."""
+    from exact.dager.span import span_basis
+
+    return span_basis(vector if vector.dim() == 2 else vector[:, None], dtype=vector.dtype)
 
 
 def dropout_attack(run, basis1: SpanBasis):
@@ -426,11 +479,26 @@ def dropout_attack(run, basis1: SpanBasis):
     params = dict(run.target.named_parameters())
     weight = key_block.input_space(params[key_block.param_name].detach().to(vectors))
     bias_name = key_block.param_name.rsplit(".", 1)[0] + (".in_proj_bias" if key_block.param_name.endswith("in_proj_weight") else ".bias")
-    keys = vectors @ weight
-    if bias_name in params:
-        bias = params[bias_name].detach().to(vectors)
-        keys = keys + bias[key_block.start : key_block.stop]
-    seqs, worst, notes = chain(found, dq, keys, heads)
+    bias = params[bias_name].detach().to(vectors)[key_block.start : key_block.stop] if bias_name in params else None
+    keys = vectors @ weight + (bias if bias is not None else 0)
+    orphans: list[int] = []
+    seqs, worst, notes = chain(found, dq, keys, heads, orphans)
+    repaired = 0
+    for child in [i for i in orphans if found[i].position == 1]:
+        plane = first_input_plane(dq[child], keys[child], basis1, weight, bias, heads)
+        item = _identify(basis1, inputs, plane, vectors[child], ranked, rate, config.l1_threshold)
+        if item is not None and all(float((m.vector - item.vector).norm() / item.vector.norm()) > 1e-3
+                                    for m in found if m.position == 0):
+            found.append(item)
+            repaired += 1
+    if repaired:
+        found.sort(key=lambda m: (m.position, m.token))
+        vectors = torch.stack([m.vector for m in found])
+        dq, fit = query_gradients(vectors, query)
+        keys = vectors @ weight + (bias if bias is not None else 0)
+        seqs, worst, notes = chain(found, dq, keys, heads)
+        diag["dropout_inputs"] = len(found)
+    diag["dropout_repaired_first_inputs"] = repaired
     diag.update(
         mode="dropout", dropout_rate=rate, dropout_tokens_tried=tried,
         dropout_fit=fit,

@@ -175,3 +175,39 @@ def test_layers_know_the_embedding_dropout_and_the_first_heads():
     t3 = find_layers(Transformer3(vocab_size=VOCAB, hidden_size=64, num_heads=4, ffn_size=128, num_layers=2,
                                   max_positions=16, dropout=0.2))
     assert t3.embedding_dropout == 0.2 and t3.first_heads == 4
+
+
+def test_a_missing_first_input_is_recovered_from_its_childs_query_gradient():
+    """Drop one of the three position-0 copies the pursuit found: the chain leaves its child orphaned, and
+    the child's query gradient (in span{k_0, k_1} per head) gives back the plane holding the missing input,
+    from which the token and its mask are recovered exactly."""
+    from exact.dager import dropout as D
+
+    torch.manual_seed(0)
+    target = gpt2(dropout=0.1)
+    ids, mask = _shared_start_batch()
+    update = train_mode_update(target, ids, mask)
+    layers = find_layers(target)
+    basis = span_basis(layers.first.input_space(update, "qkv"))
+    basis = basis.with_rank(basis.numerical_rank)
+    tokens = torch.arange(VOCAB)
+    found, _ = D.find_masked_inputs(basis, layers.inputs, tokens, list(range(9)), 0.1, 1e-3, expected=basis.rank)
+    assert len(found) == basis.rank == 22
+    removed = [m for m in found if m.position == 0][-1]
+    found = [m for m in found if m is not removed]
+    vectors = torch.stack([m.vector for m in found])
+    query = layers.first.query.input_space(update[layers.first.query.param_name])
+    dq, _ = D.query_gradients(vectors, query)
+    block = layers.first.key_value[0]
+    params = dict(target.named_parameters())
+    weight = block.input_space(params[block.param_name].detach().double())
+    bias = params[block.param_name.replace("weight", "bias")].detach().double()[block.start : block.stop]
+    keys = vectors @ weight + bias
+    orphans: list[int] = []
+    D.chain(found, dq, keys, 4, orphans)
+    assert [found[i].position for i in orphans] == [1]
+    plane = D.first_input_plane(dq[orphans[0]], keys[orphans[0]], basis, weight, bias, 4)
+    inside = removed.vector - plane @ (plane.T @ removed.vector)
+    assert float(inside.norm() / removed.vector.norm()) < 1e-5
+    item = D._identify(basis, layers.inputs, plane, vectors[orphans[0]], tokens, 0.1, 1e-3)
+    assert item is not None and item.token == removed.token and torch.equal(item.dropped, removed.dropped)
