@@ -249,3 +249,24 @@ def test_dropout_dager_diagnostics_separate_true_masked_inputs_from_wrong_pairs(
     reach = out["atoms_to_1e-6"]
     assert reach["never"] == 0 and reach["max"] <= reach["budget"]
     assert out["pursuit"][20]["true_max"] < 1e-5 < out["pursuit"][20]["wrong_min"]
+
+
+def test_gpt2_fedavg_dager_diagnostics_on_a_fedsgd_like_client():
+    """benchmarks/gpt2_fedavg_dager_diagnostics.py on a tiny GPT-2 and a one-step float64 client (E = 1,
+    one minibatch: the delta is one gradient): both ranks are the inputs', the true pairs and
+    sentences are on both spans, and DAGER recovers both sentences."""
+    import torch
+
+    from datamodules.targets import HFCausalLM
+
+    module = load_benchmark("gpt2_fedavg_dager_diagnostics")
+    torch.manual_seed(0)
+    target = HFCausalLM(architecture="gpt2", config=dict(n_layer=2, n_embd=64, n_head=4, vocab_size=300, n_positions=16,
+                                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    seqs = [[5, 17, 42, 8, 99, 3], [7, 120, 250, 61, 12, 4]]
+    update, client = module.fedavg_update(target, seqs, pad_id=0, epochs=1, lr=1e-3, dtype="float64")
+    out = module.diagnose(target, seqs, update, offsets=(0.0,), max_length=8)
+    assert out["inputs"] == 10 and out["rank1"] <= 10 and out["rank2"] <= 10
+    assert out["layer1"]["protocol"]["global_max"] < 1e-6 < out["layer1"]["protocol"]["vocab_median"]
+    assert max(out["layer2"]["protocol"]["global"]) < 1e-6
+    assert out["attack"]["exact_sequences"] == 2
