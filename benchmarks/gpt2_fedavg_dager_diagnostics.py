@@ -40,13 +40,16 @@ from exact.dager.probe import _SecondLayer, shifted  # noqa: E402
 from exact.dager.span import span_basis, token_distances  # noqa: E402
 
 
-def fedavg_update(target, seqs: list[list[int]], pad_id: int, epochs: int, lr: float, dtype: str):
-    """The pseudo-gradient of one eval-mode FedAvg client holding `seqs`, and the client."""
+def fedavg_update(target, seqs: list[list[int]], pad_id: int, epochs: int, lr: float, dtype: str,
+                  observe_embedding: bool = False):
+    """The pseudo-gradient of one eval-mode FedAvg client holding `seqs`, and the client. With
+    `observe_embedding` the server also sees the token embedding's delta (the path then moves it too)."""
     ids, mask = batch_of(seqs, pad_id)
     client = FedAvgClient("eval", len(seqs), local_epochs=epochs, minibatch_size=FEDAVG_MINIBATCH, lr=lr, dtype=dtype)
-    pipeline = UpdatePipeline(target, client=client, defense=NoDefense(), observed=ParameterSelection(), hashing=Hashing(bins=1))
-    observed = pipeline({"input_ids": ids, "attention_mask": mask}, keep_update=True, generator=torch.Generator().manual_seed(0))
-    return {n: g[0] for n, g in pipeline.split(observed.update * client.gradient_scale()).items()}, client
+    observed = ParameterSelection(exclude=[] if observe_embedding else None)
+    pipeline = UpdatePipeline(target, client=client, defense=NoDefense(), observed=observed, hashing=Hashing(bins=1))
+    out = pipeline({"input_ids": ids, "attention_mask": mask}, keep_update=True, generator=torch.Generator().manual_seed(0))
+    return {n: g[0] for n, g in pipeline.split(out.update * client.gradient_scale()).items()}, client
 
 
 def diagnose(target, seqs: list[list[int]], update: dict, offsets: tuple[float, ...], max_length: int) -> dict:
@@ -95,11 +98,13 @@ def main(argv=None) -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--dtype", choices=["model", "float64"], default="float64")
+    parser.add_argument("--observe-embedding", action="store_true",
+                        help="the server also sees the token embedding's delta; the second-layer path moves it too")
     args = parser.parse_args(argv)
     tokenizer = gpt2_tokenizer()
     seqs = sentences(args.data, tokenizer)[args.offset : args.offset + 4]
     target = model("gpt2", False)
-    update, client = fedavg_update(target, seqs, tokenizer.eos_token_id, args.epochs, args.lr, args.dtype)
+    update, client = fedavg_update(target, seqs, tokenizer.eos_token_id, args.epochs, args.lr, args.dtype, args.observe_embedding)
     out = diagnose(target, seqs, update, local_step_offsets(client), 32)
     print(f"inputs {out['inputs']}  protocol cap B*(L-1) {out['cap']}  ranks: layer 1 {out['rank1']}, layer 2 {out['rank2']}")
     print("singular values / largest, layer 1:", {k: f"{v:.1e}" for k, v in out["sv1"].items()},
