@@ -211,3 +211,18 @@ def test_a_missing_first_input_is_recovered_from_its_childs_query_gradient():
     assert float(inside.norm() / removed.vector.norm()) < 1e-5
     item = D._identify(basis, layers.inputs, plane, vectors[orphans[0]], tokens, 0.1, 1e-3)
     assert item is not None and item.token == removed.token and torch.equal(item.dropped, removed.dropped)
+
+
+def test_a_train_mode_lora_client_falls_back_to_the_best_effort():
+    """A LoRA client sends adapter gradients only: no query-weight gradient to solve the query
+    gradients from, so the dropout search steps aside (no crash) and the relaxed best effort runs."""
+    from datamodules.federated import LoRAClient
+
+    torch.manual_seed(0)
+    target = gpt2(dropout=0.1)
+    pipeline = UpdatePipeline(target, client=LoRAClient(rank=16, init_b_std=0.02, local=FedSGDClient(mode="train")),
+                              hashing=Hashing(bins=16))
+    ids = torch.randint(3, VOCAB - 3, (1, 1, 8), generator=torch.Generator().manual_seed(1))
+    parts = pipeline.split(pipeline({"input_ids": ids}, keep_update=True, generator=torch.Generator().manual_seed(0)).update)
+    result = Dager().attack(pipeline.target, {n: g[0] for n, g in parts.items()}, batch_size=1, max_length=8)
+    assert result.diagnostics["mode"] == "relaxed" and not result.exact
