@@ -13,10 +13,10 @@ the attack exact again:
    candidate (t, p) in the span" is a sparse linear problem over the d coordinates: with N the
    complement of the span, find a support S (about p * d coordinates) with
    N^T(gamma * C e) = sum_{j in S} e_j N^T(gamma * C u_j) + sigma N^T beta (C: centring). Orthogonal
-   matching pursuit solves it in about p * d steps for the true candidates (residual ~1e-14), while a
-   wrong (token, position) pair stays far off the span with that many atoms (it would need about
-   d - rank). The mask found is verified on the explicit input norm(m * e / (1 - p)) against
-   `l1_threshold`, as the eval-mode test verifies norm(e).
+   matching pursuit solves it in about p * d steps for the true candidates (down to the float32
+   gradient's floor, ~1e-7), while a wrong (token, position) pair stays far off the span with that
+   many atoms (it would need about d - rank). The mask found is verified on the explicit input
+   norm(m * e / (1 - p)) against `l1_threshold`, as the eval-mode test verifies norm(e).
 2. **Dropout makes the inputs independent.** In eval mode the first-layer inputs of a batch are
    linearly dependent (token part + position part); with random masks they are not, so the
    numerical rank of the first-layer gradient equals the number of inputs, and the recovered inputs
