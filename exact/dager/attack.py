@@ -188,7 +188,10 @@ class Dager:
                 offsets s_t (t * lr for plain local SGD) at which the second-layer test also runs block 1,
                 at weights w - s_t * update, where a straight path puts the client before step t. ()
                 = only at w (FedSGD). The client's protocol is known to the server. Used only when the
-                test at w does not find `batch_size` sequences, and at most `max_trajectory_points`.
+                result at w is not exact (causal models, whose sequences can pass cut short) or has
+                fewer than `batch_size` sequences (bidirectional ones), at most at
+                `max_trajectory_points`, and kept when more sequences pass along the path, or as many
+                that explain more of the gradients.
         """
         start = time.perf_counter()
         diag: dict[str, Any] = {"batch_size": batch_size, "max_length": max_length}
@@ -205,12 +208,16 @@ class Dager:
         try:
             with torch.no_grad():
                 result = _DagerRun(self, target, layers, update, batch_size, max_length, diag).execute()
-                if len(points) > 1 and not (batch_size is not None and _passed(result) == batch_size):
-                    # Some sequences did not pass at the global weights: test again along the client's path
-                    # (one more block-1 pass per point, so only when needed); keep it if more pass.
+                # A causal search returns maximal prefixes: a drifted sentence can pass at w cut short, so
+                # a full count does not mean the path has nothing to add. A bidirectional search scores
+                # whole sequences only: there a full count does (and its search is costly to repeat).
+                complete = result.exact if layers.causal else (batch_size is not None and _passed(result) == batch_size)
+                if len(points) > 1 and not complete:
+                    # Test again along the client's path (one more block-1 pass per point). Keep it if more
+                    # sequences pass, or as many that explain more of the gradients.
                     again = _DagerRun(self, target, layers, update, batch_size, max_length,
                                       dict(diag, passed_at_global_weights=_passed(result)), points).execute()
-                    if _passed(again) > _passed(result):
+                    if _rank(again) > _rank(result):
                         result = again
         except (RuntimeError, ValueError) as error:  # e.g. an SVD that does not converge on garbage input
             result = degenerate(diag, f"{type(error).__name__}: {error}")
@@ -244,6 +251,13 @@ def local_step_offsets(client: Any) -> tuple[float, ...]:
 def _passed(result: DagerResult) -> int:
     """Sequences that passed both span tests (a relaxed result's ranked guesses did not)."""
     return len(result.sequences) if result.diagnostics.get("mode") == "strict" else 0
+
+
+def _rank(result: DagerResult) -> tuple[int, float]:
+    """Which of two results is better: more sequences passed, then less of the gradients unexplained."""
+    diag = result.diagnostics
+    unexplained = diag.get("unexplained1", 1.0) + diag.get("unexplained2", 1.0) if _passed(result) else 2.0
+    return _passed(result), -unexplained
 
 
 def dager_attack(

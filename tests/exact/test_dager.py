@@ -481,14 +481,41 @@ def test_sequences_seen_after_the_first_local_step_pass_along_the_trajectory(see
     assert along.diagnostics["passed_at_global_weights"] <= 1
 
 
-def test_the_trajectory_is_tried_only_when_the_global_weights_miss_sequences_and_is_thinned():
+def test_a_path_result_that_passes_as_many_sequences_but_explains_more_replaces_the_global_one(monkeypatch):
+    """At the global weights a drifted sentence can pass a causal prefix search cut short (a maximal
+    prefix): as many sequences pass as the batch holds, but they leave part of the gradients unexplained. The path's result, with
+    the same count and less unexplained, is the one returned (before: the count alone decided, and the
+    path was not even tried)."""
+    from exact.dager import attack as attack_module
+    from exact.dager.result import DagerResult
+
+    calls = []
+
+    def execute(run):
+        calls.append(run.trajectory)
+        whole = bool(run.trajectory)
+        diag = dict(run.diag, mode="strict", unexplained1=1e-3 if whole else 0.2, unexplained2=1e-3 if whole else 0.3)
+        seqs = [[1, 2, 3, 4], [5, 6, 7, 8]] if whole else [[1, 2], [5, 6, 7]]
+        return DagerResult(seqs, False, [False, False], [0.0, 0.0], diag)
+
+    monkeypatch.setattr(attack_module._DagerRun, "execute", execute)
+    result = Dager().attack(gpt2(), {}, batch_size=2, max_length=8, trajectory=(0.0, 0.1, 0.2))
+    assert len(calls) == 2 and calls[0] == () and len(calls[1]) == 3
+    assert result.sequences == [[1, 2, 3, 4], [5, 6, 7, 8]]
+    # a bidirectional search scores whole sequences only: a full count keeps the result at w, untried path
+    calls.clear()
+    result = Dager().attack(transformer3(), {}, batch_size=2, max_length=8, trajectory=(0.0, 0.1, 0.2))
+    assert calls == [()] and result.sequences == [[1, 2], [5, 6, 7]]
+
+
+def test_the_global_result_is_kept_when_the_path_does_no_better_and_the_path_is_thinned():
     torch.manual_seed(0)
     target = transformer3()
     ids, _ = random_batch(4, 12, 0)
     update, trajectory = fedavg_update(target, ids, lr=0.001)  # hardly any drift: all pass at the global weights
     result = Dager().attack(target, update, batch_size=4, max_length=12, trajectory=trajectory)
     assert sorted(map(tuple, result.sequences)) == sorted(map(tuple, ids.tolist()))
-    assert "trajectory_points" not in result.diagnostics
+    assert "trajectory_points" not in result.diagnostics  # the result at w, not the path's
     steps = tuple(t * 0.01 for t in range(20))
     thinned = Dager(max_trajectory_points=5)._trajectory_points(steps)
     assert thinned == tuple(steps[i] for i in (0, 5, 10, 14, 19))
