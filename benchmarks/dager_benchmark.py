@@ -200,6 +200,7 @@ def default_rows(scale: float = 1.0) -> list[Row]:
     # Train-mode dropout at a batch size the eval-mode attack recovers exactly (t3: 8 x 16 tokens exceed d = 96).
     rows.append(Row("t3-B4-train", "t3", 4, mode="train", batches=n(2), observe_all=True))
     rows.append(Row("gpt2-B8-train", "gpt2", 8, mode="train", batches=n(2), observe_all=True))
+    rows.append(Row("gpt2-B16-train", "gpt2", 16, mode="train", batches=n(1), observe_all=True))
     for model in ("t3", "gpt2"):
         for epochs in (2, 5, 10):
             # The whole delta observed (but the token embedding): the trajectory can only move what is observed.
