@@ -357,6 +357,12 @@ def run_row(row: Row, data: dict, tokenizer, generator: torch.Generator) -> dict
             seconds.append(time.perf_counter() - t0)
         peaks.append(mem.peak - mem.start)
         metrics.append(score_batch(result.sequences, ids[0], mask[0], ctx.decode, result.exact))
+        if data.get("show"):  # per-update diagnostics, and how many sentences' inputs (all but the last token) are right
+            truth = [s[:-1] for s in seqs]
+            inputs_right = sum(1 for s in result.sequences if s[:-1] in truth)
+            shown = {key: result.diagnostics.get(key) for key in data["show"]}
+            print(f"  {row.name} update {len(metrics)}: inputs right {inputs_right}/{len(seqs)}, "
+                  f"whole right {sum(1 for s in result.sequences if s in seqs)}/{len(seqs)}, {shown}", flush=True)
         metrics[-1]["paper_rouge1"] = paper_matching_rouge1(result.sequences, seqs, ctx.decode)
         metrics[-1]["batch_tokens"] = sum(len(s) for s in seqs)
         data["last_diag"] = result.diagnostics
@@ -388,6 +394,8 @@ def main(argv=None) -> None:
     parser.add_argument("--paper-matching", action="store_true",
                         help="add two columns: the tokens per update, and ROUGE-1 with the reference code's decoder "
                              "matching (each reference takes its best prediction, which may serve several)")
+    parser.add_argument("--show-diagnostics", nargs="*", default=None, metavar="KEY",
+                        help="print, per update, these keys of DAGER's diagnostics and how many sentences are right")
     parser.add_argument("--no-trajectory", action="store_true",
                         help="FedAvg rows: second-layer test at the global weights only (before 2026-11-24)")
     args = parser.parse_args(argv)
@@ -404,7 +412,7 @@ def main(argv=None) -> None:
             raise SystemExit(f"--dager {item!r}: expected OPTION=VALUE")
         options[key] = yaml.safe_load(value)
     data = {"sentences": sentences(args.data, tokenizer), "blocks": blocks(args.data, tokenizer), "path": args.data,
-            "dager": options, "trajectory": not args.no_trajectory,
+            "dager": options, "trajectory": not args.no_trajectory, "show": args.show_diagnostics,
             "fedavg_lr": args.fedavg_lr, "fedavg_dtype": args.fedavg_dtype}
     rows = default_rows(args.scale)
     for kind, packages in OPTIONAL.items():
