@@ -21,9 +21,10 @@ the attack exact again:
    linearly dependent (token part + position part); with random masks they are not, so the
    numerical rank of the first-layer gradient equals the number of inputs, and the recovered inputs
    X (n, d) determine each input's query gradient: G_q = X^T dQ, solved by least squares. Two inputs
-   with the same token at the same position have different masks: when fewer distinct inputs than
-   the rank are found, the search is repeated for the found pairs with their first mask's atoms
-   forbidden one at a time.
+   with the same token at the same position have different masks: when fewer inputs than the rank
+   are found, the pursuit is rerun for the found pairs with their known masks held back for its
+   first steps; a position-0 input still missing is recovered from its successor's query gradient
+   (fact 3, `first_input_plane`).
 3. **The query gradient names its own prefix.** In causal attention the gradient of query i is a
    combination of the keys of positions <= i of its own sequence, head by head (softmax and
    attention dropout change the coefficients, not the span). The keys follow from the recovered
@@ -47,8 +48,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from exact.dager.span import _TINY, SpanBasis
-from exact.layers import FirstLayerInput, GradientBlock
+from exact.dager.last_token import recover_last_tokens
+from exact.dager.result import DagerResult
+from exact.dager.span import _TINY, SpanBasis, span_basis, token_distances
+from exact.layers import FirstLayerInput
 
 
 @dataclass
@@ -191,15 +194,16 @@ class MaskPursuit:
 
 def find_masked_inputs(
     basis: SpanBasis, inputs: FirstLayerInput, tokens: Tensor, positions: list[int], rate: float,
-    threshold: float, expected: int | None = None, chunk: int = 256,
+    threshold: float, expected: int | None = None, chunk: int = 256, pursuit: MaskPursuit | None = None,
 ) -> tuple[list[MaskedInput], dict]:
     """Every (token, position) pair among `tokens` x `positions` that some dropout mask puts in the span.
 
     `expected`: the number of inputs (the span's rank); when the distinct pairs found fall short, a
     second mask is sought for each found pair (two sequences sharing a token at a position).
+    `pursuit`: one built for `basis` and `rate` already (a caller testing position by position).
     Returns the inputs (sorted by position) and counts for the diagnostics.
     """
-    pursuit = MaskPursuit(basis, inputs, max_dropped(basis.dim, rate))
+    pursuit = pursuit or MaskPursuit(basis, inputs, max_dropped(basis.dim, rate))
     dtype = basis.u.dtype
     found: list[MaskedInput] = []
     tried = 0
@@ -241,10 +245,13 @@ def _second_masks(basis, inputs, pursuit: MaskPursuit, found: list[MaskedInput],
 
     Pairs are tried where a second copy must be first: positions with fewer inputs than the next one
     (every sequence reaching p + 1 has an input at p), then by how much of the pair's clean input lies
-    in the part of the span the found inputs leave unexplained. Each try runs the pursuit with one of
-    the largest coordinates of every known mask of the pair forbidden (a new mask rarely drops them
-    all); a new input counts only if it lies outside the span of the pair's known inputs (not the same
-    input again with a near-zero coordinate changed).
+    in the part of the span the found inputs leave unexplained. Each try runs the pursuit with every
+    coordinate of the pair's known masks held back for its first `hold` * (1, 2, 3) / `tries` of a
+    mask's expected size, so that it commits to another mask before they are released (two masks share
+    about rate^2 * d coordinates); after `tries` failures only a random half is held back (a new mask
+    may share many of them). A short position gets four times the tries. A new input counts only if
+    it lies more than `apart` outside the span of the pair's known inputs (not the same input again
+    with a near-zero coordinate changed).
     """
     dtype, device = basis.u.dtype, basis.u.device
     short = short_positions(found)
@@ -318,11 +325,6 @@ def query_gradients(vectors: Tensor, query_block: Tensor) -> tuple[Tensor, float
     solution = torch.linalg.lstsq(x, query_block.to(x)).solution  # (n, width)
     fit = float((x @ solution - query_block.to(x)).norm() / query_block.norm().clamp_min(_TINY))
     return solution, fit
-
-
-def block_weight(block: GradientBlock, weight: Tensor) -> Tensor:
-    """The (d_in, width) slice of a projection weight that `block` names (as its gradient is sliced)."""
-    return block.input_space(weight)
 
 
 def span_residual(query: Tensor, keys: Tensor, heads: int) -> Tensor:
@@ -401,8 +403,6 @@ def batch_tokens(basis: SpanBasis, inputs: FirstLayerInput, positions: list[int]
     caller tries the rest of the list (4 * (`limit` + 1) tokens) when the inputs found fall short: in a
     narrow model a masked input's clean distance is no longer far below a random token's.
     """
-    from exact.dager.span import token_distances
-
     least = token_distances(basis, inputs, positions, chunk, basis.u.dtype).min(dim=0).values
     values, order = torch.sort(least)
     head = values[: limit + 1]
@@ -421,16 +421,9 @@ def _identify(basis: SpanBasis, inputs: FirstLayerInput, plane: Tensor, child: T
     cosine = (clean @ away).abs() / (clean.norm(dim=1) * away.norm()).clamp_min(_TINY)
     best = int(cosine.argmax())
     pre = inputs.pre_norm(tokens[best : best + 1].to(inputs.embedding.device), 0, plane.dtype).to(plane.device)
-    dropped, _ = MaskPursuit(span_basis_of(plane), inputs, max_dropped(basis.dim, rate)).run(pre)
+    dropped, _ = MaskPursuit(span_basis(plane, dtype=plane.dtype), inputs, max_dropped(basis.dim, rate)).run(pre)
     found = _verified(basis, inputs, pre, dropped, tokens[best : best + 1], 0, rate, threshold)
     return found[0] if found else None
-
-
-def span_basis_of(vector: Tensor) -> SpanBasis:
-    """The span basis of the columns of `vector` (d, k) (or of one vector (d,))."""
-    from exact.dager.span import span_basis
-
-    return span_basis(vector if vector.dim() == 2 else vector[:, None], dtype=vector.dtype)
 
 
 def dropout_attack(run, basis1: SpanBasis):
@@ -440,9 +433,6 @@ def dropout_attack(run, basis1: SpanBasis):
     a `DagerResult` when the inputs were found and chained, None when the premises do not hold
     (then the relaxed best effort runs as before).
     """
-    from exact.dager.last_token import recover_last_tokens
-    from exact.dager.result import DagerResult
-
     config, layers, diag, update = run.config, run.layers, run.diag, run.update
     inputs, rate, heads = layers.inputs, layers.embedding_dropout, layers.first_heads
     key_block = layers.first.key_value[0] if layers.first.key_value else None
@@ -466,7 +456,8 @@ def dropout_attack(run, basis1: SpanBasis):
             done = tested.setdefault(position, set())
             new = torch.tensor([t for t in ranked[:end].tolist() if t not in done], dtype=torch.long)
             if new.numel():
-                here, part = find_masked_inputs(basis1, inputs, new, [position], rate, config.l1_threshold)
+                here, part = find_masked_inputs(basis1, inputs, new, [position], rate, config.l1_threshold,
+                                                  pursuit=pursuit)
                 info["pairs_tested"] += part["pairs_tested"]
                 found += here
                 done.update(new.tolist())
