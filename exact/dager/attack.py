@@ -56,6 +56,7 @@ class Dager:
         seed: int = 0,
         max_trajectory_points: int = 6,
         dropout_search: bool = True,
+        split_positions: bool = True,
     ) -> None:
         """
         Args:
@@ -103,6 +104,9 @@ class Dager:
             dropout_search: A causal model with dropout on its embeddings (GPT-2's embd_pdrop), whose strict
                 test finds nothing: look for each first-layer input's dropout mask and chain the inputs by
                 their query gradients (exact.dager.dropout) before falling back to the relaxed best effort.
+            split_positions: Bidirectional models with learned positions: split the first-layer gradient into
+                token and position parts (exact.dager.position_split) to pin tokens to their positions and
+                prune the per-position candidates before the search.
         """
         if isinstance(dtype, str):
             if dtype not in ("float64", "float32"):
@@ -145,6 +149,7 @@ class Dager:
             raise ValueError(f"DAGER max_trajectory_points={max_trajectory_points} must be >= 2 (the global weights and one more)")
         self.max_trajectory_points = int(max_trajectory_points)
         self.dropout_search = bool(dropout_search)
+        self.split_positions = bool(split_positions)
         # Which layers DAGER reads in a model does not depend on the options: looked up once per model,
         # and shared with the attacks derived by `with_options`.
         self._layers: weakref.WeakKeyDictionary[nn.Module, DagerLayers] = weakref.WeakKeyDictionary()

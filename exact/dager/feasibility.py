@@ -16,6 +16,16 @@ from __future__ import annotations
 #: A bidirectional search is blind when a typical position has more than this many candidates per sequence.
 _BLIND_FACTOR = 4
 
+
+
+def first_layer_blind(candidates_per_position: list[int] | None, batch_size: int | None) -> bool:
+    """True when the first-layer test passes more than `_BLIND_FACTOR` tokens per sequence at a
+    typical (the median) position: it does not tell an encoder's positions apart."""
+    counts = sorted(candidates_per_position or [])
+    typical = counts[len(counts) // 2] if counts else 0
+    return bool(batch_size) and typical > _BLIND_FACTOR * batch_size
+
+
 #: Defenses (by their `describe()["name"]`) that break the low-rank structure DAGER relies on.
 SPAN_BREAKING = {"sign": "signs every coordinate", "prune": "zeroes all but the largest coordinates",
                  "gaussian": "adds noise to every coordinate", "dpsgd": "clips and adds noise to every coordinate"}
@@ -46,7 +56,7 @@ def feasibility_notes(width: int, defense: dict | None = None, rank1: int | None
                      "nothing can be certified; the result is a best effort")
     counts = sorted(candidates_per_position or [])
     typical = counts[len(counts) // 2] if counts else 0  # the median position
-    if bidirectional and batch_size and typical > _BLIND_FACTOR * batch_size:
+    if bidirectional and first_layer_blind(candidates_per_position, batch_size):
         notes.append(f"the first-layer test passes {typical} tokens at a typical position for a batch of {batch_size} "
                      "sequences: it cannot tell positions apart (an encoder's LN(word + position) inputs, once the "
                      "batch's token-position pairs outnumber its tokens plus positions), so the bidirectional search "

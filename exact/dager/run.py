@@ -23,7 +23,9 @@ from torch import Tensor, nn
 from exact.dager.causal import causal_search
 from exact.dager.dropout import dropout_attack
 from exact.dager.encoder import EncoderSearch
+from exact.dager.feasibility import first_layer_blind
 from exact.dager.last_token import recover_last_tokens
+from exact.dager.position_split import PositionSplit, split_first_layer
 from exact.dager.probe import _SecondLayer
 from exact.dager.result import DagerResult, degenerate
 from exact.dager.span import _TINY, SpanBasis, _orthonormal_complement, span_basis, token_distances
@@ -54,6 +56,7 @@ class _DagerRun:
         self.max_length = max_length  #: the protocol's length, within the model's positions
         self.diag = diag
         self.flags: list[str] = []  #: reasons the result cannot be certified
+        self.split: PositionSplit | None = None  #: an encoder's first-layer split, where it was blind
 
     def execute(self) -> DagerResult:
         config, layers, update, diag = self.config, self.layers, self.update, self.diag
@@ -67,6 +70,7 @@ class _DagerRun:
             needed = [n for n in layers.first.names(config.blocks) + layers.second.names(config.blocks) if n not in update]
             return degenerate(diag, f"update lacks {needed}; observe the first two attention layers")
         g1, g2 = g1.to(device), g2.to(device)
+        self.g1 = g1
         visible = max_length - 1 if layers.causal else max_length
         cap = None if batch_size is None else max(1, batch_size * max(1, visible))
         basis1 = span_basis(g1, config.rank_tol, None, config.dtype)
@@ -85,6 +89,8 @@ class _DagerRun:
         basis1, basis2 = basis1.with_rank(r1), basis2.with_rank(r2)
         if r1 < d and r2 <= d - config.min_codimension:
             result = self._strict(basis1, basis2)
+            if result is not None and self._short_encoder_result(result):
+                return self._completed(result, self._relaxed(basis1, basis2))
             if result is not None:
                 return result
         else:
@@ -133,7 +139,17 @@ class _DagerRun:
                 candidates.append(ids)
             if stop:
                 break
-        diag["candidates_per_position"] = [int(c.numel()) for c in candidates]
+        diag["candidates_per_position"] = [int(c.numel()) for c in candidates]  # the first layer's (the notes read them)
+        blind = first_layer_blind(diag["candidates_per_position"], batch_size)
+        if candidates and not layers.causal and config.split_positions and blind:
+            # An encoder's first layer is blind to positions once the batch's (token, position) pairs
+            # outnumber its tokens plus positions; the split of the gradient itself still places most tokens.
+            split = split_first_layer(self.g1, inputs, torch.unique(torch.cat(candidates)), len(candidates), config.dtype)
+            if split is not None:
+                self.split = split
+                diag["position_split"] = split.summary()
+                candidates = split.candidates(candidates)
+                diag["candidates_after_split"] = [int(c.numel()) for c in candidates]
         diag["bidirectional"] = not layers.causal
         diag["mode"] = "strict"
         if not candidates:
@@ -259,6 +275,32 @@ class _DagerRun:
     # ------------------------------------------------------------------------------------------------------
     # Relaxed (best-effort) path
 
+    def _short_encoder_result(self, result: DagerResult) -> bool:
+        """A bidirectional search that found fewer sequences than the batch holds (bounded search)."""
+        return (not self.layers.causal and self.config.relaxed and self.batch_size is not None
+                and len(result.sequences) < self.batch_size)
+
+    def _completed(self, found: DagerResult, best_effort: DagerResult) -> DagerResult:
+        """The sequences the strict search found, then best-effort ones for the rest of the batch.
+
+        The strict sequences keep their per-sequence certificates; the batch is never certified (it was
+        not covered). The flags are the strict attempt's, plus how many sequences are best effort.
+        """
+        seqs, scores, certs = list(found.sequences), list(found.scores), list(found.sequence_exact)
+        for seq, score in zip(best_effort.sequences, best_effort.scores):
+            if len(seqs) >= (self.batch_size or 0):
+                break
+            if seq not in seqs:
+                seqs.append(seq)
+                scores.append(score)
+                certs.append(False)
+        diag = self.diag
+        flags = list(found.diagnostics.get("flags", []))
+        flags.append(f"{len(seqs) - len(found.sequences)} of {len(seqs)} sequences are the relaxed best effort")
+        diag["flags"] = flags
+        diag["mode"] = "strict+relaxed"
+        return DagerResult(seqs, False, certs, scores, diag)
+
     def _relaxed(self, basis1: SpanBasis, basis2: SpanBasis) -> DagerResult:
         config, layers, diag, batch_size = self.config, self.layers, self.diag, self.batch_size
         inputs = layers.inputs
@@ -281,6 +323,12 @@ class _DagerRun:
             k = min(dist.shape[1], top_k * steps)
             order = torch.argsort(dist[0])[:k]
             candidates, prior = [order.cpu()], [dist[0, order]]
+        elif self.split is not None:
+            # An encoder whose first layer is blind: every batch token is at distance ~0 everywhere, so the
+            # split's order (pinned tokens, then the open ones by fit) ranks the candidates instead.
+            ranked = self.split.candidates([torch.arange(inputs.vocab_size)] * min(steps, self.split.used_positions))
+            candidates = [r[: max(top_k, int(self.split.pinned[i].numel()))] for i, r in enumerate(ranked)]
+            prior = [torch.zeros(c.numel(), dtype=config.dtype) for c in candidates]
         else:
             orders = [torch.argsort(row)[:top_k] for row in dist]
             candidates = [o.cpu() for o in orders]
@@ -295,6 +343,9 @@ class _DagerRun:
         else:
             seqs, scores = EncoderSearch(config).coordinate_descent(probe, candidates, batch_size, prior=prior, rounds=1)
         diag["second_layer_evaluations"] = probe.evaluations
+        eos = config.eos_token_id
+        if not layers.causal and eos is not None:  # an encoder's sequence ends at its end token
+            seqs = [s[: s.index(eos) + 1] if eos in s else s for s in seqs]
         seqs, scores, _ = _choose(seqs, scores, [False] * len(seqs), batch_size)
         if layers.causal and seqs:
             seqs, _ = recover_last_tokens(self, seqs)

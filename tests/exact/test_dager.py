@@ -475,7 +475,9 @@ def test_sequences_seen_after_the_first_local_step_pass_along_the_trajectory(see
     at_global = attack.attack(target, update, batch_size=4, max_length=12)
     along = attack.attack(target, update, batch_size=4, max_length=12, trajectory=trajectory)
     true = {tuple(s) for s in ids.tolist()}
-    assert sum(tuple(s) in true for s in at_global.sequences) <= 1
+    # At the global weights at most one sequence passes (the rest of the batch is best effort, never certified).
+    assert sum(c for s, c in zip(at_global.sequences, at_global.sequence_exact) if tuple(s) in true) <= 1
+    assert not at_global.exact
     assert sorted(map(tuple, along.sequences)) == sorted(true)
     assert along.diagnostics["trajectory_points"] == 4
     assert along.diagnostics["passed_at_global_weights"] <= 1

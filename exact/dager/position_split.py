@@ -1,0 +1,177 @@
+"""Where each token sits, from the first-layer gradient split into token and position parts.
+
+A model with learned absolute positions feeds its first attention layer x = norm(w_a + p_i + t):
+word a at position i, plus a constant t (BERT's token type 0). With LayerNorm,
+x = gamma*(w_a + p_i + t - mu*1)/sigma + beta lies in the span of the vectors gamma*w_a, gamma*p_i,
+gamma*t, gamma, beta. Once a batch's (token, position) pairs outnumber its distinct tokens plus its
+positions, the first-layer span is that whole space, every batch token passes the span test at
+every position, and DAGER's per-position candidates are blind (an encoder at B = 8:
+95 of 102 tokens at every position).
+
+The gradient itself says more than its span. It is G = sum over pairs of x_(a,i) dy_(a,i)^T, and the
+vectors above are linearly independent while fewer than d, so G splits uniquely into rows
+G = sum_a (gamma*w_a) c_a^T + sum_i (gamma*p_i) c_i^T + (the constants' rows), where
+c_a = sum_i e_(a,i) over the positions of token a and c_i = sum_a e_(a,i) over the tokens at
+position i, with e_(a,i) = dy_(a,i) / sigma_(a,i) one pair's (query, key, value) gradient. A token
+that occurs once (or only at one position) has c_a = e_(a,i): its row appears whole in the row of
+its position. Fitting each position's row by the token rows (least squares) gives such a token a
+coefficient near 1 at its position and small ones elsewhere, while a token spread over several
+positions splits its coefficient between them. Tokens whose coefficient concentrates at one
+position are pinned there and their rows subtracted; the fit is repeated on what is left. What
+stays unexplained at a position belongs to the tokens that are not pinned ("open" tokens).
+
+The split reads only the update and the model. It ranks and prunes candidates; whether a sentence
+is right is still decided by the second-layer test and the certificate. A wrong pin would remove a
+token from its true position: a sentence using it there could no longer be found (never a false
+claim). That happens to a token that occurs at two positions, one of which holds most of its row
+(measured on MiniLM, B = 8: 66 tokens pinned, all at a true position, 2 true pairs lost this way;
+`benchmarks/encoder_dager_diagnostics.py --split`). A refit that unpins tokens whose rest shows
+elsewhere did not separate them from right pins (coefficients of 0.1-0.2 either way) and was dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from exact.layers import FirstLayerInput
+
+#: A token is pinned at a position where its coefficient is at least this and twice its next largest.
+PIN_AT = 0.75
+#: Relative size below which a fit residual (a token's row, a position's rest) counts as zero.
+ZERO = 1e-4
+
+
+@dataclass
+class PositionSplit:
+    """Per-position tokens from the split of the first-layer gradient."""
+
+    pinned: list[Tensor]  #: per position, the tokens pinned there (each token at one position only)
+    open_tokens: Tensor  #: tokens not pinned (they may sit at any open position)
+    open_scores: Tensor  #: (L, n_open) fit coefficients of the open tokens at each position
+    open_positions: Tensor  #: (L,) bool: the pinned tokens leave part of the position's row unexplained
+    used_positions: int  #: positions whose row is not zero: the longest sequence's length
+    absent: Tensor  #: candidate tokens whose row is zero: they are not in the batch
+    fit_residual: float  #: relative residual of the split itself (~1e-7 when the input model holds)
+
+    def candidates(self, passing: list[Tensor]) -> list[Tensor]:
+        """Refined candidates: the pinned tokens, then the open tokens that pass there, best fit first.
+
+        A position the split leaves empty (it cannot be: every used position holds a token) keeps its
+        first-layer candidates.
+        """
+        out = []
+        for i, ids in enumerate(passing[: self.used_positions]):
+            keep = [self.pinned[i]]
+            if bool(self.open_positions[i]):
+                order = torch.argsort(self.open_scores[i], descending=True)
+                ranked = self.open_tokens[order]
+                keep.append(ranked[torch.isin(ranked, ids.cpu())])
+            refined = torch.cat(keep)
+            out.append(refined if refined.numel() else ids.cpu())
+        return out
+
+    def summary(self) -> dict:
+        return {
+            "pinned": int(sum(p.numel() for p in self.pinned)),
+            "open_tokens": int(self.open_tokens.numel()),
+            "open_positions": int(self.open_positions.sum()),
+            "used_positions": self.used_positions,
+            "absent": int(self.absent.numel()),
+            "fit_residual": self.fit_residual,
+        }
+
+
+def _basis(inputs: FirstLayerInput, tokens: Tensor, length: int, dtype: torch.dtype) -> Tensor | None:
+    """(n, d) rows: scaled word vectors, position vectors, then the constants, all through the norm's gain."""
+    if inputs.positions is None or length > inputs.positions.shape[0]:
+        return None
+    words = inputs.scale * inputs.embedding[tokens.to(inputs.embedding.device)].to(dtype)
+    rows = [words, inputs.positions[:length].to(dtype)]
+    if inputs.offset is not None:
+        rows.append(inputs.offset.to(dtype)[None])
+    if inputs.norm == "layernorm":  # centring: -mu * 1
+        rows.append(torch.ones(1, inputs.dim, dtype=dtype, device=words.device))
+    basis = torch.cat(rows)
+    if inputs.norm_weight is not None:
+        basis = basis * inputs.norm_weight.to(dtype)
+    if inputs.norm != "none" and inputs.norm_bias is not None:
+        basis = torch.cat([basis, inputs.norm_bias.to(dtype)[None]])
+    return basis
+
+
+def split_rows(gradient: Tensor, inputs: FirstLayerInput, tokens: Tensor, length: int,
+               dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor, float] | None:
+    """The token rows (n, width) and position rows (length, width) of the first-layer gradient (d, width).
+
+    Row a is the sum of e_(a,i) = dy_(a,i) / sigma_(a,i) over the positions of token a, row i the sum
+    over the tokens at position i. Also returns the split's relative residual. None where the split does
+    not apply (no learned positions, or at least as many basis vectors as dimensions).
+    """
+    basis = _basis(inputs, tokens.cpu(), length, dtype)
+    if basis is None or basis.shape[0] >= basis.shape[1]:
+        return None
+    basis = basis.detach()
+    n = tokens.numel()
+    # A zero constant (e.g. a LayerNorm bias still at its initial 0) adds nothing: left out of the fit.
+    norms = basis.norm(dim=1)
+    nonzero = (norms > 1e-12 * float(norms.max())) | (torch.arange(basis.shape[0], device=basis.device) < n + length)
+    g = gradient.detach().to(device=basis.device, dtype=dtype)
+    coef = torch.linalg.lstsq(basis[nonzero].T.cpu(), g.cpu(), driver="gelsd").solution  # basis^T coef = g
+    fit = float((basis[nonzero].T.cpu() @ coef - g.cpu()).norm() / g.norm().clamp_min(1e-300))
+    return coef[:n], coef[n : n + length], fit
+
+
+def split_first_layer(gradient: Tensor, inputs: FirstLayerInput, tokens: Tensor, length: int,
+                      dtype: torch.dtype = torch.float64, rounds: int = 8) -> PositionSplit | None:
+    """Split the first-layer gradient (d, width) into token and position rows, and pin tokens.
+
+    `tokens` are the candidates (those that pass the first-layer test somewhere), `length` the
+    protocol's positions. Returns None where the split does not apply: no learned positions, more
+    basis vectors than the width, or a split that does not reproduce the gradient (the inputs are
+    not of the form norm(w + p + t), e.g. masked by train-mode dropout, or the update is noised).
+    """
+    tokens = tokens.cpu()
+    rows = split_rows(gradient, inputs, tokens, length, dtype)
+    if rows is None or rows[2] > ZERO:
+        return None
+    words, places, fit = rows
+    norms = words.norm(dim=1)
+    present = norms > ZERO * float(norms.max().clamp_min(1e-300))
+    open_idx = torch.nonzero(present).flatten().tolist()
+    rest = places.clone()
+    pinned: list[list[int]] = [[] for _ in range(length)]
+    scores = torch.zeros(length, 0, dtype=dtype)
+    for _ in range(rounds):
+        if not open_idx:
+            break
+        scores = torch.linalg.lstsq(words[open_idx].T, rest.T, driver="gelsd").solution.T  # (L, n_open)
+        top = torch.topk(scores, min(2, length), dim=0)
+        best, runner = top.values[0], (top.values[1] if length > 1 else torch.zeros_like(top.values[0]))
+        pin = (best >= PIN_AT) & (runner < 0.5 * best)
+        if not bool(pin.any()):
+            break
+        for k in torch.nonzero(pin).flatten().tolist():
+            j, i = open_idx[k], int(top.indices[0, k])
+            pinned[i].append(j)
+            rest[i] -= words[j]
+        open_idx = [j for k, j in enumerate(open_idx) if not bool(pin[k])]
+    if open_idx:
+        scores = torch.linalg.lstsq(words[open_idx].T, rest.T, driver="gelsd").solution.T
+    else:
+        scores = torch.zeros(length, 0, dtype=dtype)
+    scale = places.norm(dim=1)
+    used = scale > ZERO * float(scale.max().clamp_min(1e-300))
+    used_positions = int(used.nonzero().max()) + 1 if bool(used.any()) else 0
+    open_positions = (rest.norm(dim=1) > ZERO * scale.clamp_min(1e-300)) & used
+    return PositionSplit(
+        pinned=[tokens[torch.tensor(p, dtype=torch.long)] for p in pinned],
+        open_tokens=tokens[torch.tensor(open_idx, dtype=torch.long)],
+        open_scores=scores,
+        open_positions=open_positions,
+        used_positions=used_positions,
+        absent=tokens[~present],
+        fit_residual=fit,
+    )
