@@ -8,11 +8,17 @@ how well the position-wise signal separates the true token when the rest of the 
 wrong (random candidates): the rank of the true token at each position among that position's
 candidates. Also: the probe's throughput, each true token's rank by first-layer distance,
 `--teacher-forced` ranks (the true next token after the true prefix, closed by the end token) and
-`--beam-widths` (a length-free left-to-right beam, printing how many true prefixes survive). Run:
+`--beam-widths` (a length-free left-to-right beam, printing how many true prefixes survive) and
+`--split` (the first-layer split of exact.dager.position_split: how many pins are right, how many
+true pairs the refined candidates lose) and `--key-span` (whether a pinned token's query/key gradient
+lies in the span of its own sentence's first-layer keys/queries, for the true sentence, with one
+position wrong, and with random candidates). Run:
 
     OMP_NUM_THREADS=1 python benchmarks/encoder_dager_diagnostics.py --batch-size 8 [--offset 0]
     OMP_NUM_THREADS=1 python benchmarks/encoder_dager_diagnostics.py --batch-size 8 --l1-only --teacher-forced
     OMP_NUM_THREADS=1 python benchmarks/encoder_dager_diagnostics.py --batch-size 4 --beam-widths 100000 512 256 128
+    OMP_NUM_THREADS=1 python benchmarks/encoder_dager_diagnostics.py --batch-size 8 --offset 12 --split
+    OMP_NUM_THREADS=1 python benchmarks/encoder_dager_diagnostics.py --batch-size 8 --key-span
 
 Needs the optional MiniLM package (dager_benchmark.py's INSTALL["minilm"]).
 """
@@ -33,7 +39,8 @@ from dager_benchmark import DEFAULT_DATA, batch_of, context, gpt2_tokenizer, mod
 from datamodules.federated import FedSGDClient, Hashing, NoDefense, ParameterSelection  # noqa: E402
 from datamodules.federated.pipeline import UpdatePipeline  # noqa: E402
 from exact.dager import encoder as encoder_module  # noqa: E402
-from exact.layers import find_layers  # noqa: E402
+from exact.dager.position_split import split_first_layer  # noqa: E402
+from exact.layers import find_layers, find_module_by_name  # noqa: E402
 
 
 class _Captured(Exception):
@@ -92,6 +99,83 @@ def beam_survival(probe, candidates, seqs, eos, threshold, schedule) -> None:
             break
 
 
+def report_split(layers, update, seqs, candidates, max_length) -> None:
+    """Pins against the truth: at a position where the token is (right) or not, and true pairs lost."""
+    tokens = torch.unique(torch.cat(candidates))
+    split = split_first_layer(layers.first.input_space(update, "qkv"), layers.inputs, tokens, max_length)
+    if split is None:
+        print("the split does not apply to this update")
+        return
+    at = {(i, t) for s in seqs for i, t in enumerate(s)}
+    pins = [(i, t) for i, p in enumerate(split.pinned) for t in p.tolist()]
+    refined = split.candidates([tokens] * max_length)
+    lost = [(i, t) for i, t in sorted(at) if i >= len(refined) or t not in refined[i].tolist()]
+    whole = sum(all((i, t) not in lost for i, t in enumerate(s)) for s in seqs)
+    print(f"split: {split.summary()}")
+    print(f"pins at a true position: {sum(p in at for p in pins)} of {len(pins)}; true pairs lost by the refined "
+          f"candidates: {len(lost)} of {len(at)}; sentences with every pair kept: {whole} of {len(seqs)}")
+    print("refined candidates per position:", [int(c.numel()) for c in refined])
+
+
+def key_span_residual(attention, layers, row: torch.Tensor, pairs: list[tuple[int, int]]) -> float:
+    """Mean over heads of the relative distance of a pinned pair's query gradient to the span of the
+    key differences of `pairs` (softmax rows sum to one, so only differences enter) and of its key
+    gradient to the span of their queries. `row` is the pair's row of the split (query, key, value)."""
+    x = torch.stack([layers.inputs(torch.tensor([t]), i)[0] for i, t in pairs])
+    keys = x @ attention.key.weight.double().T + attention.key.bias.double()
+    queries = x @ attention.query.weight.double().T + attention.query.bias.double()
+    d, heads = keys.shape[1], attention.num_attention_heads
+    width = d // heads
+    total = 0.0
+    for h in range(heads):
+        cols = slice(h * width, (h + 1) * width)
+        for vec, span in ((row[:d][cols], (keys[1:, cols] - keys[:1, cols]).T), (row[d : 2 * d][cols], queries[:, cols].T)):
+            u, sv, _ = torch.linalg.svd(span, full_matrices=False)
+            u = u[:, sv > 1e-10 * sv[0]]
+            total += float((vec - u @ (u.T @ vec)).pow(2).sum() / vec.pow(2).sum().clamp_min(1e-300))
+    return total / (2 * heads)
+
+
+def report_key_span(target, layers, update, seqs, candidates, max_length) -> None:
+    """For each sentence, one pinned token's key-span residual with its true sentence, with one
+    position replaced by another candidate, and with every other position a random candidate."""
+    from exact.dager.position_split import split_rows
+
+    tokens = torch.unique(torch.cat(candidates))
+    g1 = layers.first.input_space(update, "qkv")
+    split = split_first_layer(g1, layers.inputs, tokens, max_length)
+    rows, _, _ = split_rows(g1, layers.inputs, tokens, max_length)
+    attention = find_module_by_name(target, layers.first.query.param_name.rsplit(".", 2)[0])
+    refined = split.candidates([tokens] * max_length)
+    gen = torch.Generator().manual_seed(0)
+    pins = [(i, t) for i, p in enumerate(split.pinned) for t in p.tolist()]
+    for s in seqs:
+        mine = [(i, t) for i, t in pins if 0 < i < len(s) and s[i] == t]
+        if not mine:
+            continue
+        pin = mine[0]
+        row = rows[tokens.tolist().index(pin[1])]
+        truth = list(enumerate(s))
+
+        def other(j):  # another candidate of position j (the true token where it is the only one)
+            wrong = refined[j][refined[j] != s[j]]
+            return int(wrong[torch.randint(wrong.numel(), (1,), generator=gen)]) if wrong.numel() else s[j]
+
+        one_wrong = []
+        for j in (1, len(s) // 2, len(s) - 2):
+            if j != pin[0] and other(j) != s[j]:
+                pairs = list(truth)
+                pairs[j] = (j, other(j))
+                one_wrong.append(key_span_residual(attention, layers, row, pairs))
+        random = []
+        for _ in range(3):
+            pairs = [truth[0]] + [(j, other(j)) for j in range(1, len(s))]
+            pairs[pin[0]] = pin
+            random.append(key_span_residual(attention, layers, row, pairs))
+        print(f"len {len(s):2d} pin {pin}: true {key_span_residual(attention, layers, row, truth):.1e}   one position "
+              f"wrong {' '.join(f'{v:.1e}' for v in one_wrong)}   random {' '.join(f'{v:.1e}' for v in random)}")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-size", type=int, default=8)
@@ -100,6 +184,8 @@ def main(argv=None) -> None:
     parser.add_argument("--l1-only", action="store_true", help="skip the random-context ranks (slow)")
     parser.add_argument("--beam-widths", type=int, nargs="*", default=None,
                         help="run the completion beam with these widths per position (the last repeats)")
+    parser.add_argument("--split", action="store_true", help="how right the first-layer split's pins are, then stop")
+    parser.add_argument("--key-span", action="store_true", help="the pinned tokens' key-span test, then stop")
     parser.add_argument("--teacher-forced", action="store_true", help="ranks of true next tokens after the true prefix")
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
     args = parser.parse_args(argv)
@@ -117,6 +203,12 @@ def main(argv=None) -> None:
     probe, candidates = capture_search(target, update, ctx.dager, len(seqs), ctx.max_length)
     if probe is None:
         print("the attack did not reach the encoder search (strict path not taken)")
+        return
+    if args.split:
+        report_split(layers, update, seqs, candidates, ctx.max_length)
+        return
+    if args.key_span:
+        report_key_span(target, layers, update, seqs, candidates, ctx.max_length)
         return
     threshold = ctx.dager.l2_threshold
     print(f"B = {len(seqs)}, lengths {sorted(len(s) for s in seqs)}, l2 threshold {threshold:g}, "
