@@ -17,7 +17,6 @@ from __future__ import annotations
 _BLIND_FACTOR = 4
 
 
-
 def first_layer_blind(candidates_per_position: list[int] | None, batch_size: int | None) -> bool:
     """True when the first-layer test passes more than `_BLIND_FACTOR` tokens per sequence at a
     typical (the median) position: it does not tell an encoder's positions apart."""

@@ -88,17 +88,20 @@ def _basis(inputs: FirstLayerInput, tokens: Tensor, length: int, dtype: torch.dt
     """(n, d) rows: scaled word vectors, position vectors, then the constants, all through the norm's gain."""
     if inputs.positions is None or length > inputs.positions.shape[0]:
         return None
-    words = inputs.scale * inputs.embedding[tokens.to(inputs.embedding.device)].to(dtype)
-    rows = [words, inputs.positions[:length].to(dtype)]
+    def host(t: Tensor) -> Tensor:
+        return t.detach().to(device="cpu", dtype=dtype)
+
+    words = inputs.scale * host(inputs.embedding[tokens.to(inputs.embedding.device)])
+    rows = [words, host(inputs.positions[:length])]
     if inputs.offset is not None:
-        rows.append(inputs.offset.to(dtype)[None])
+        rows.append(host(inputs.offset)[None])
     if inputs.norm == "layernorm":  # centring: -mu * 1
-        rows.append(torch.ones(1, inputs.dim, dtype=dtype, device=words.device))
+        rows.append(torch.ones(1, inputs.dim, dtype=dtype))
     basis = torch.cat(rows)
     if inputs.norm_weight is not None:
-        basis = basis * inputs.norm_weight.to(dtype)
+        basis = basis * host(inputs.norm_weight)
     if inputs.norm != "none" and inputs.norm_bias is not None:
-        basis = torch.cat([basis, inputs.norm_bias.to(dtype)[None]])
+        basis = torch.cat([basis, host(inputs.norm_bias)[None]])
     return basis
 
 
@@ -113,14 +116,13 @@ def split_rows(gradient: Tensor, inputs: FirstLayerInput, tokens: Tensor, length
     basis = _basis(inputs, tokens.cpu(), length, dtype)
     if basis is None or basis.shape[0] >= basis.shape[1]:
         return None
-    basis = basis.detach()
     n = tokens.numel()
     # A zero constant (e.g. a LayerNorm bias still at its initial 0) adds nothing: left out of the fit.
     norms = basis.norm(dim=1)
-    nonzero = (norms > 1e-12 * float(norms.max())) | (torch.arange(basis.shape[0], device=basis.device) < n + length)
-    g = gradient.detach().to(device=basis.device, dtype=dtype)
-    coef = torch.linalg.lstsq(basis[nonzero].T.cpu(), g.cpu(), driver="gelsd").solution  # basis^T coef = g
-    fit = float((basis[nonzero].T.cpu() @ coef - g.cpu()).norm() / g.norm().clamp_min(1e-300))
+    basis = basis[(norms > 1e-12 * float(norms.max())) | (torch.arange(basis.shape[0]) < n + length)]
+    g = gradient.detach().to(device="cpu", dtype=dtype)
+    coef = torch.linalg.lstsq(basis.T, g, driver="gelsd").solution  # basis^T coef = g
+    fit = float((basis.T @ coef - g).norm() / g.norm().clamp_min(1e-300))
     return coef[:n], coef[n : n + length], fit
 
 
@@ -129,9 +131,10 @@ def split_first_layer(gradient: Tensor, inputs: FirstLayerInput, tokens: Tensor,
     """Split the first-layer gradient (d, width) into token and position rows, and pin tokens.
 
     `tokens` are the candidates (those that pass the first-layer test somewhere), `length` the
-    protocol's positions. Returns None where the split does not apply: no learned positions, more
-    basis vectors than the width, or a split that does not reproduce the gradient (the inputs are
-    not of the form norm(w + p + t), e.g. masked by train-mode dropout, or the update is noised).
+    protocol's positions; at most `rounds` rounds of pinning. Returns None where the split does not
+    apply: no learned positions, more basis vectors than the width, or a split that does not
+    reproduce the gradient (the inputs are not of the form norm(w + p + t), e.g. masked by
+    train-mode dropout, or the update is noised).
     """
     tokens = tokens.cpu()
     rows = split_rows(gradient, inputs, tokens, length, dtype)
@@ -143,7 +146,6 @@ def split_first_layer(gradient: Tensor, inputs: FirstLayerInput, tokens: Tensor,
     open_idx = torch.nonzero(present).flatten().tolist()
     rest = places.clone()
     pinned: list[list[int]] = [[] for _ in range(length)]
-    scores = torch.zeros(length, 0, dtype=dtype)
     for _ in range(rounds):
         if not open_idx:
             break

@@ -75,7 +75,7 @@ def per_pair_rows(target, ids, mask):
     sigma = torch.sqrt(pre.var(-1, unbiased=False) + layers.inputs.eps)  # (B, T)
     keep_pairs = mask.bool()
     gradient = torch.einsum("btd,btw->dw", x * keep_pairs[..., None], dy)
-    return dy / sigma[..., None], keep_pairs, gradient
+    return (dy / sigma[..., None]).detach(), keep_pairs, gradient.detach()
 
 
 def test_split_rows_equal_per_pair_sums():
