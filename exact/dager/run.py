@@ -57,6 +57,7 @@ class _DagerRun:
         self.diag = diag
         self.flags: list[str] = []  #: reasons the result cannot be certified
         self.split: PositionSplit | None = None  #: an encoder's first-layer split, where it was blind
+        self.g1: Tensor | None = None  #: the first-layer gradient blocks (d, width), as read from the update
 
     def execute(self) -> DagerResult:
         config, layers, update, diag = self.config, self.layers, self.update, self.diag
@@ -90,7 +91,8 @@ class _DagerRun:
         if r1 < d and r2 <= d - config.min_codimension:
             result = self._strict(basis1, basis2)
             if result is not None and self._short_encoder_result(result):
-                return self._completed(result, self._relaxed(basis1, basis2))
+                strict_flags = list(diag.get("flags", []))  # the relaxed pass rewrites the shared diagnostics
+                return self._completed(result, strict_flags, self._relaxed(basis1, basis2))
             if result is not None:
                 return result
         else:
@@ -280,7 +282,7 @@ class _DagerRun:
         return (not self.layers.causal and self.config.relaxed and self.batch_size is not None
                 and len(result.sequences) < self.batch_size)
 
-    def _completed(self, found: DagerResult, best_effort: DagerResult) -> DagerResult:
+    def _completed(self, found: DagerResult, strict_flags: list[str], best_effort: DagerResult) -> DagerResult:
         """The sequences the strict search found, then best-effort ones for the rest of the batch.
 
         The strict sequences keep their per-sequence certificates; the batch is never certified (it was
@@ -295,7 +297,7 @@ class _DagerRun:
                 scores.append(score)
                 certs.append(False)
         diag = self.diag
-        flags = list(found.diagnostics.get("flags", []))
+        flags = list(strict_flags)
         flags.append(f"{len(seqs) - len(found.sequences)} of {len(seqs)} sequences are the relaxed best effort")
         diag["flags"] = flags
         diag["mode"] = "strict+relaxed"

@@ -160,5 +160,7 @@ def test_blind_encoder_search_uses_the_split_and_fills_the_batch():
         assert not certified or seq in truth  # a per-sequence certificate is never wrong
     if not all(result.sequence_exact):
         assert not result.exact and any("best effort" in f for f in diag["flags"])
+    if diag["mode"] == "strict+relaxed":  # the strict attempt's own flags are kept beside the fill's
+        assert any("distinct sequences for a batch of 4" in f for f in diag["flags"]), diag["flags"]
     plain = attack.with_options(split_positions=False).attack(target, update, batch_size=4, max_length=ids.shape[1])
     assert "position_split" not in plain.diagnostics
