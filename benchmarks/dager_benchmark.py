@@ -322,6 +322,7 @@ def run_row(row: Row, data: dict, tokenizer, generator: torch.Generator) -> dict
     ctx = context(row.model, data, tokenizer, row.text)
     if row.text != "wikitext":  # a 191-sentence pool: every such row starts at its first sentence
         ctx.offset = 0
+    ctx.offset = max(ctx.offset, data.get("pool_offset", 0))
     layers = find_layers(target)
     if row.observe_all:
         observed = ParameterSelection()  # the paper's server: everything but the token embedding
@@ -396,6 +397,8 @@ def main(argv=None) -> None:
                              "matching (each reference takes its best prediction, which may serve several)")
     parser.add_argument("--show-diagnostics", nargs="*", default=None, metavar="KEY",
                         help="print, per update, these keys of DAGER's diagnostics and how many sentences are right")
+    parser.add_argument("--pool-offset", type=int, default=0,
+                        help="start each model's sentences this far into its pool (development sentences no row uses)")
     parser.add_argument("--no-trajectory", action="store_true",
                         help="FedAvg rows: second-layer test at the global weights only (before 2026-11-24)")
     args = parser.parse_args(argv)
@@ -413,7 +416,7 @@ def main(argv=None) -> None:
         options[key] = yaml.safe_load(value)
     data = {"sentences": sentences(args.data, tokenizer), "blocks": blocks(args.data, tokenizer), "path": args.data,
             "dager": options, "trajectory": not args.no_trajectory, "show": args.show_diagnostics,
-            "fedavg_lr": args.fedavg_lr, "fedavg_dtype": args.fedavg_dtype}
+            "fedavg_lr": args.fedavg_lr, "fedavg_dtype": args.fedavg_dtype, "pool_offset": args.pool_offset}
     rows = default_rows(args.scale)
     for kind, packages in OPTIONAL.items():
         if any(importlib.util.find_spec(p) is None for p in packages):

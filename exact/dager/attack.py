@@ -81,7 +81,8 @@ class Dager:
             encoder_beam: Width of the bidirectional prefix beam search that runs before coordinate
                 descent (0: coordinate descent only).
             relaxed: When the strict tests find nothing, return a best-effort reconstruction ranked by distance.
-            relaxed_top_k: Candidates per position in relaxed mode (default: the batch size, at least 2).
+            relaxed_top_k: Candidates per position in relaxed mode (default: the batch size, at least 2; twice
+                that for an encoder whose candidates the first-layer split ranks).
             relaxed_presence: Relaxed mode: a position holds a token when its best first-layer distance is
                 below this fraction of the vocabulary's median distance there (sets the length).
             relaxed_span_fraction: Relaxed mode: the second-layer span keeps at most this fraction of the width

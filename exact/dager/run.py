@@ -327,9 +327,13 @@ class _DagerRun:
             candidates, prior = [order.cpu()], [dist[0, order]]
         elif self.split is not None:
             # An encoder whose first layer is blind: every batch token is at distance ~0 everywhere, so the
-            # split's order (pinned tokens, then the open ones by fit) ranks the candidates instead.
+            # split's order (pinned tokens, then the open ones by fit) ranks the candidates instead. Twice
+            # the batch size by default: chosen on development sentences that no benchmark row uses
+            # (`dager_benchmark.py --rows minilm-B8 --pool-offset 100 / 200`: ROUGE-1 42/47 at B, 49/64 at 2B,
+            # 47/59 at 3B; benchmarks/results/dager_cpu.md).
+            width = config.relaxed_top_k or 2 * max(2, batch_size or 1)
             ranked = self.split.candidates([torch.arange(inputs.vocab_size)] * min(steps, self.split.used_positions))
-            candidates = [r[: max(top_k, int(self.split.pinned[i].numel()))] for i, r in enumerate(ranked)]
+            candidates = [r[: max(width, int(self.split.pinned[i].numel()))] for i, r in enumerate(ranked)]
             prior = [torch.zeros(c.numel(), dtype=config.dtype) for c in candidates]
         else:
             orders = [torch.argsort(row)[:top_k] for row in dist]

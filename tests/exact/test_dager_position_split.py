@@ -162,5 +162,7 @@ def test_blind_encoder_search_uses_the_split_and_fills_the_batch():
         assert not result.exact and any("best effort" in f for f in diag["flags"])
     if diag["mode"] == "strict+relaxed":  # the strict attempt's own flags are kept beside the fill's
         assert any("distinct sequences for a batch of 4" in f for f in diag["flags"]), diag["flags"]
+        # the fill ranks by the split and searches twice the batch size of candidates per position
+        assert max(diag["relaxed_candidates_per_position"]) == 8, diag["relaxed_candidates_per_position"]
     plain = attack.with_options(split_positions=False).attack(target, update, batch_size=4, max_length=ids.shape[1])
     assert "position_split" not in plain.diagnostics
