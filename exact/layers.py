@@ -149,15 +149,18 @@ class FirstLayerInput:
 
     def __call__(self, token_ids: Tensor, position: int | None, dtype: torch.dtype = torch.float64) -> Tensor:
         """Reference: the explicit first-layer inputs (n, d) of tokens `token_ids` at `position`."""
-        x = self.pre_norm(token_ids, position, dtype)
+        return self.normalise(self.pre_norm(token_ids, position, dtype))
+
+    def normalise(self, x: Tensor) -> Tensor:
+        """The first layer's normalisation, with its gain and bias, of pre-norm vectors x (..., d)."""
         if self.norm == "layernorm":
             x = (x - x.mean(-1, keepdim=True)) / torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + self.eps)
         elif self.norm == "rmsnorm":
             x = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.norm_weight is not None:
-            x = x * self.norm_weight.to(dtype)
+            x = x * self.norm_weight.to(x)
         if self.norm_bias is not None:
-            x = x + self.norm_bias.to(dtype)
+            x = x + self.norm_bias.to(x)
         return x
 
 

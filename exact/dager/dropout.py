@@ -75,16 +75,7 @@ def max_dropped(dim: int, rate: float) -> int:
 
 def masked_vectors(inputs: FirstLayerInput, pre_norm: Tensor, dropped: Tensor, rate: float) -> Tensor:
     """The explicit first-layer inputs norm(m * e / (1 - rate)) of pre-norm vectors e (n, d) and masks (n, d)."""
-    z = pre_norm.masked_fill(dropped, 0.0) / (1.0 - rate)
-    if inputs.norm == "layernorm":
-        z = (z - z.mean(-1, keepdim=True)) / torch.sqrt(z.var(-1, unbiased=False, keepdim=True) + inputs.eps)
-    elif inputs.norm == "rmsnorm":
-        z = z / torch.sqrt(z.pow(2).mean(-1, keepdim=True) + inputs.eps)
-    if inputs.norm_weight is not None and inputs.norm != "none":
-        z = z * inputs.norm_weight.detach().to(z)
-    if inputs.norm_bias is not None and inputs.norm == "layernorm":
-        z = z + inputs.norm_bias.detach().to(z)
-    return z
+    return inputs.normalise(pre_norm.masked_fill(dropped, 0.0) / (1.0 - rate))
 
 
 class MaskPursuit:

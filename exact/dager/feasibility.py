@@ -17,12 +17,16 @@ from __future__ import annotations
 _BLIND_FACTOR = 4
 
 
+def _typical(candidates_per_position: list[int] | None) -> int:
+    """The candidate count of the median position (0 without positions)."""
+    counts = sorted(candidates_per_position or [])
+    return counts[len(counts) // 2] if counts else 0
+
+
 def first_layer_blind(candidates_per_position: list[int] | None, batch_size: int | None) -> bool:
     """True when the first-layer test passes more than `_BLIND_FACTOR` tokens per sequence at a
     typical (the median) position: it does not tell an encoder's positions apart."""
-    counts = sorted(candidates_per_position or [])
-    typical = counts[len(counts) // 2] if counts else 0
-    return bool(batch_size) and typical > _BLIND_FACTOR * batch_size
+    return bool(batch_size) and _typical(candidates_per_position) > _BLIND_FACTOR * batch_size
 
 
 #: Defenses (by their `describe()["name"]`) that break the low-rank structure DAGER relies on.
@@ -53,8 +57,7 @@ def feasibility_notes(width: int, defense: dict | None = None, rank1: int | None
         notes.append(f"the second-layer gradient has rank {rank2} of width {width} (read from the update): more "
                      "tokens in context than the width, so the second-layer test cannot tell sequences apart and "
                      "nothing can be certified; the result is a best effort")
-    counts = sorted(candidates_per_position or [])
-    typical = counts[len(counts) // 2] if counts else 0  # the median position
+    typical = _typical(candidates_per_position)
     if bidirectional and first_layer_blind(candidates_per_position, batch_size):
         notes.append(f"the first-layer test passes {typical} tokens at a typical position for a batch of {batch_size} "
                      "sequences: it cannot tell positions apart (an encoder's LN(word + position) inputs, once the "
