@@ -25,6 +25,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
+from datamodules.federated.engines.attention import vmap_safe_attention
+
 
 def classification_loss(logits: Tensor, labels: Tensor) -> Tensor:
     """Mean cross-entropy of a (B, classes) batch against (B,) labels."""
@@ -54,7 +56,8 @@ def per_sample_gradients(target: nn.Module, names: Sequence[str], inputs: Tensor
         logits = functional_call(target, {**frozen, **own}, (x.unsqueeze(0),))
         return classification_loss(logits, y.unsqueeze(0))
 
-    grads = vmap(grad(loss_one), in_dims=(None, 0, 0), randomness="different")(observed, inputs, labels)
+    with vmap_safe_attention(inputs.device):  # encoders attend; forward and backward both run inside
+        grads = vmap(grad(loss_one), in_dims=(None, 0, 0), randomness="different")(observed, inputs, labels)
     return torch.cat([grads[name].reshape(inputs.shape[0], -1) for name in names], dim=1)
 
 
@@ -101,7 +104,8 @@ def group_gradients(
     """(G, g, ...) inputs and (G, g) labels -> (G, D): group i's mean-loss gradient at `weights[i]`."""
     model = _FlatModel(target, names)
     per_group = vmap(grad(model.loss), in_dims=(0, 0, 0), randomness="different")
-    return per_group(model.weights(weights, inputs.shape[0]), inputs, labels)
+    with vmap_safe_attention(inputs.device):
+        return per_group(model.weights(weights, inputs.shape[0]), inputs, labels)
 
 
 def grouped_per_example_gradients(
@@ -110,7 +114,8 @@ def grouped_per_example_gradients(
     """(G, g, ...) inputs and (G, g) labels -> (G, g, D): every sample's own gradient at its group's weights."""
     model = _FlatModel(target, names)
     per_sample = vmap(vmap(grad(model.sample_loss), in_dims=(None, 0, 0)), in_dims=(0, 0, 0), randomness="different")
-    return per_sample(model.weights(weights, inputs.shape[0]), inputs, labels)
+    with vmap_safe_attention(inputs.device):
+        return per_sample(model.weights(weights, inputs.shape[0]), inputs, labels)
 
 
 def group_gradients_loop(

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
+from datamodules.federated.engines.attention import vmap_safe_attention
 from datamodules.federated.engines.transformer3 import engine_supports, transformer3_per_example_gradients
 from datamodules.targets.base import TargetLM, next_token_loss
 from datamodules.targets.transformer3 import Transformer3
@@ -106,7 +107,8 @@ def per_example_gradients_vmap(
         return functional_call(wrapper, {**detached, **own}, (ids.unsqueeze(0), mask, "body")).squeeze(0)
 
     mask_dim = None if attention_mask is None else 0
-    hidden = vmap(body_one, in_dims=(0, 0, mask_dim), randomness="different")(copies, input_ids, attention_mask)
+    with vmap_safe_attention(input_ids.device):  # the backward below replays the kernel chosen here
+        hidden = vmap(body_one, in_dims=(0, 0, mask_dim), randomness="different")(copies, input_ids, attention_mask)
     # The last position predicts nothing: skip its (V-wide) head computation.
     logits = functional_call(wrapper, detached, (hidden[:, :-1], None, "head"))
     loss = next_token_loss(logits, input_ids, attention_mask).sum()
@@ -242,7 +244,8 @@ def group_gradients_vmap(
         return functional_call(wrapper, {**detached, **own}, (ids, mask, "body"))
 
     mask_dim = None if attention_mask is None else 0
-    hidden = vmap(body_group, in_dims=(0, 0, mask_dim), randomness="different")(own, input_ids, attention_mask)
+    with vmap_safe_attention(input_ids.device):
+        hidden = vmap(body_group, in_dims=(0, 0, mask_dim), randomness="different")(own, input_ids, attention_mask)
     flat_ids = input_ids.reshape(groups * size, length)
     flat_mask = None if attention_mask is None else attention_mask.reshape(groups * size, length)
     logits = functional_call(wrapper, detached, (hidden[:, :, :-1].reshape(groups * size, length - 1, -1), None, "head"))
