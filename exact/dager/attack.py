@@ -57,6 +57,7 @@ class Dager:
         max_trajectory_points: int = 6,
         dropout_search: bool = True,
         split_positions: bool = True,
+        split_width: float | None = 2.0,
     ) -> None:
         """
         Args:
@@ -108,6 +109,10 @@ class Dager:
             split_positions: Bidirectional models with learned positions: split the first-layer gradient into
                 token and position parts (exact.dager.position_split) to pin tokens to their positions and
                 prune the per-position candidates before the search.
+            split_width: After the split, candidates kept per position for the strict search, in
+                multiples of the batch size: the pinned tokens, then the best-fitting others (None: every
+                candidate). The default 2 is the relaxed fill's width, checked on development sentences
+                (benchmarks/results/dager_cpu.md, "the split's focus").
         """
         if isinstance(dtype, str):
             if dtype not in ("float64", "float32"):
@@ -151,6 +156,9 @@ class Dager:
         self.max_trajectory_points = int(max_trajectory_points)
         self.dropout_search = bool(dropout_search)
         self.split_positions = bool(split_positions)
+        if split_width is not None and split_width <= 0:
+            raise ValueError(f"DAGER split_width={split_width} must be positive (or None: keep every candidate)")
+        self.split_width = None if split_width is None else float(split_width)
         # Which layers DAGER reads in a model does not depend on the options: looked up once per model,
         # and shared with the attacks derived by `with_options`.
         self._layers: weakref.WeakKeyDictionary[nn.Module, DagerLayers] = weakref.WeakKeyDictionary()

@@ -73,6 +73,18 @@ class PositionSplit:
             out.append(refined if refined.numel() else ids.cpu())
         return out
 
+    def focused(self, candidates: list[Tensor], width: int) -> list[Tensor]:
+        """`candidates` (as `candidates()` returns them) cut to the pinned tokens plus the best-fitting
+        others, `width` in all where fewer are pinned.
+
+        Fewer combinations are what let the bounded search finish a length group within its budget. A
+        true token ranked past `width` is lost to the strict search; that is never a false claim, since
+        what passes is still certified by both span tests. Tried and not kept: keeping the end token
+        only at the batch size's number of positions where its fit is largest. On MiniLM it picked 5 of
+        7 true ends, but on a planted batch it dropped the two longest sentences' ends.
+        """
+        return [ids[: max(width, int(pinned.numel()))] for ids, pinned in zip(candidates, self.pinned)]
+
     def summary(self) -> dict:
         return {
             "pinned": int(sum(p.numel() for p in self.pinned)),

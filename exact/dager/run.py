@@ -151,6 +151,9 @@ class _DagerRun:
                 self.split = split
                 diag["position_split"] = split.summary()
                 candidates = split.candidates(candidates)
+                if config.split_width is not None and batch_size is not None:
+                    width = max(1, math.ceil(config.split_width * batch_size))
+                    candidates = split.focused(candidates, width)
                 diag["candidates_after_split"] = [int(c.numel()) for c in candidates]
         diag["bidirectional"] = not layers.causal
         diag["mode"] = "strict"

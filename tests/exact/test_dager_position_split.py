@@ -166,3 +166,32 @@ def test_blind_encoder_search_uses_the_split_and_fills_the_batch():
         assert max(diag["relaxed_candidates_per_position"]) == 8, diag["relaxed_candidates_per_position"]
     plain = attack.with_options(split_positions=False).attack(target, update, batch_size=4, max_length=ids.shape[1])
     assert "position_split" not in plain.diagnostics
+
+
+def test_focused_candidates_keep_the_pins_then_the_best_fits():
+    """`PositionSplit.focused`: every pinned token, then the best-fitting others up to the width, in the
+    order of `candidates()`; a width past every list changes nothing."""
+    torch.manual_seed(0)
+    target = encoder()
+    ids, mask = planted([12, 11, 10, 9], seed=3, words=30)
+    layers = find_layers(target)
+    g1 = layers.first.input_space(client_update(target, ids, mask), "qkv")
+    tokens = torch.unique(ids[mask.bool()])
+    split = split_first_layer(g1, layers.inputs, tokens, ids.shape[1])
+    refined = split.candidates([tokens] * ids.shape[1])
+    focused = split.focused(refined, width=6)
+    assert len(focused) == len(refined)
+    assert any(len(full) > 6 for full in refined)  # the cut does something here
+    for i, (full, cut) in enumerate(zip(refined, focused)):
+        pins = split.pinned[i].tolist()
+        assert cut[: len(pins)].tolist() == pins  # pins first, all kept
+        assert cut.tolist() == full[: max(6, len(pins))].tolist()
+    assert [c.tolist() for c in split.focused(refined, width=10**6)] == [c.tolist() for c in refined]
+
+
+def test_split_width_must_be_positive():
+    import pytest
+
+    with pytest.raises(ValueError, match="split_width"):
+        Dager(split_width=0)
+    assert Dager(split_width=None).split_width is None
