@@ -101,15 +101,20 @@ def test_split_rows_equal_per_pair_sums():
         assert torch.allclose(places[i], want, rtol=1e-4, atol=1e-6 * float(want.abs().max())), i
 
 
-def test_pins_are_true_positions_on_a_blind_first_layer():
-    """Four sequences over a small pool: more (token, position) pairs than tokens + positions, so every
-    pool token passes the first-layer test at every position. Pinned tokens sit where they were pinned;
-    candidates shrink; tokens not in the batch have a zero row."""
+def blind_batch():
+    """Four planted sequences over a 30-token pool on the tiny encoder: (ids, mask, layers, first-layer gradient)."""
     torch.manual_seed(0)
     target = encoder()
     ids, mask = planted([12, 11, 10, 9], seed=3, words=30)
     layers = find_layers(target)
-    g1 = layers.first.input_space(client_update(target, ids, mask), "qkv")
+    return ids, mask, layers, layers.first.input_space(client_update(target, ids, mask), "qkv")
+
+
+def test_pins_are_true_positions_on_a_blind_first_layer():
+    """Four sequences over a small pool: more (token, position) pairs than tokens + positions, so every
+    pool token passes the first-layer test at every position. Pinned tokens sit where they were pinned;
+    candidates shrink; tokens not in the batch have a zero row."""
+    ids, mask, layers, g1 = blind_batch()
     batch_tokens = torch.unique(ids[mask.bool()])
     outsiders = torch.tensor([t for t in range(3, 60) if t not in batch_tokens.tolist()][:5])
     split = split_first_layer(g1, layers.inputs, torch.cat([batch_tokens, outsiders]), ids.shape[1])
@@ -171,11 +176,7 @@ def test_blind_encoder_search_uses_the_split_and_fills_the_batch():
 def test_focused_candidates_keep_the_pins_then_the_best_fits():
     """`PositionSplit.focused`: every pinned token, then the best-fitting others up to the width, in the
     order of `candidates()`; a width past every list changes nothing."""
-    torch.manual_seed(0)
-    target = encoder()
-    ids, mask = planted([12, 11, 10, 9], seed=3, words=30)
-    layers = find_layers(target)
-    g1 = layers.first.input_space(client_update(target, ids, mask), "qkv")
+    ids, mask, layers, g1 = blind_batch()
     tokens = torch.unique(ids[mask.bool()])
     split = split_first_layer(g1, layers.inputs, tokens, ids.shape[1])
     refined = split.candidates([tokens] * ids.shape[1])
