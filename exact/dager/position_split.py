@@ -27,6 +27,9 @@ claim). That happens to a token that occurs at two positions, one of which holds
 (measured on MiniLM, B = 8: 66 tokens pinned, all at a true position, 2 true pairs lost this way;
 `benchmarks/encoder_dager_diagnostics.py --split`). A refit that unpins tokens whose rest shows
 elsewhere did not separate them from right pins (coefficients of 0.1-0.2 either way) and was dropped.
+What stays is milder: such a token's trace in what the split leaves unexplained (negative at its pin,
+positive at its other position) makes it an extra candidate there ("echoes", `_echoes`), added after
+the focus so that it never pushes a better-fitting token out.
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ from exact.layers import FirstLayerInput
 PIN_AT = 0.75
 #: Relative size below which a fit residual (a token's row, a position's rest) counts as zero.
 ZERO = 1e-4
+#: A pinned token whose row, fitted to what the split leaves unexplained, takes at most this coefficient
+#: at its own position was over-subtracted there: it also sits elsewhere (chosen on development updates).
+OVERSUBTRACTED = -0.1
 
 
 @dataclass
@@ -49,6 +55,7 @@ class PositionSplit:
     """Per-position tokens from the split of the first-layer gradient."""
 
     pinned: list[Tensor]  #: per position, the tokens pinned there (each token at one position only)
+    echoes: list[Tensor]  #: per position, pinned tokens that probably also sit here (see `split_first_layer`)
     open_tokens: Tensor  #: tokens not pinned (they may sit at any open position)
     open_scores: Tensor  #: (L, n_open) fit coefficients of the open tokens at each position
     open_positions: Tensor  #: (L,) bool: the pinned tokens leave part of the position's row unexplained
@@ -85,7 +92,12 @@ class PositionSplit:
         positions where its fit is largest. On MiniLM it picked 5 of 7 true ends, but on a planted
         batch it dropped the two longest sentences' ends.
         """
-        return [ids[: max(width, int(pinned.numel()))] for ids, pinned in zip(candidates, self.pinned)]
+        out = []
+        for ids, pinned, echoes in zip(candidates, self.pinned, self.echoes):
+            cut = ids[: max(width, int(pinned.numel()))]
+            extra = echoes[torch.isin(echoes, ids) & ~torch.isin(echoes, cut)]
+            out.append(torch.cat([cut, extra]))
+        return out
 
     def summary(self) -> dict:
         return {
@@ -176,14 +188,18 @@ def split_first_layer(gradient: Tensor, inputs: FirstLayerInput, tokens: Tensor,
         open_idx = [j for k, j in enumerate(open_idx) if not bool(pin[k])]
     if open_idx:
         scores = torch.linalg.lstsq(words[open_idx].T, rest.T, driver="gelsd").solution.T
+        leftover = rest - scores @ words[open_idx]
     else:
         scores = torch.zeros(length, 0, dtype=dtype)
+        leftover = rest
+    echoes = _echoes(words, pinned, leftover, length)
     scale = places.norm(dim=1)
     used = scale > ZERO * float(scale.max().clamp_min(1e-300))
     used_positions = int(used.nonzero().max()) + 1 if bool(used.any()) else 0
     open_positions = (rest.norm(dim=1) > ZERO * scale.clamp_min(1e-300)) & used
     return PositionSplit(
         pinned=[tokens[torch.tensor(p, dtype=torch.long)] for p in pinned],
+        echoes=[tokens[torch.tensor(e, dtype=torch.long)] for e in echoes],
         open_tokens=tokens[torch.tensor(open_idx, dtype=torch.long)],
         open_scores=scores,
         open_positions=open_positions,
@@ -191,3 +207,30 @@ def split_first_layer(gradient: Tensor, inputs: FirstLayerInput, tokens: Tensor,
         absent=tokens[~present],
         fit_residual=fit,
     )
+
+
+def _echoes(words: Tensor, pinned: list[list[int]], leftover: Tensor, length: int) -> list[list[int]]:
+    """Per position, the pinned tokens (indices into `words`) that probably also sit there.
+
+    A token at positions i and j is pinned at i when most of its row e_(a,i) + e_(a,j) is i's; subtracting
+    the whole row from position i then removes e_(a,j) too. What the fit leaves unexplained carries
+    that trace: -e_(a,j) at i and +e_(a,j) at j. So the pinned rows are fitted to the leftover. A token
+    whose coefficient at its own position is at most `OVERSUBTRACTED` also becomes a candidate where its
+    coefficient is largest. On two MiniLM development updates (B = 8) this flagged all 6 tokens pinned
+    away from a second position and put 5 of them back there, for 20 wrong extra candidates.
+    """
+    flat = [(i, j) for i, ids in enumerate(pinned) for j in ids]
+    out: list[list[int]] = [[] for _ in range(length)]
+    if not flat:
+        return out
+    rows = torch.stack([words[j] for _, j in flat])
+    coef = torch.linalg.lstsq(rows.T, leftover.T, driver="gelsd").solution.T  # (L, n_pinned)
+    for k, (i, j) in enumerate(flat):
+        column = coef[:, k].clone()
+        if float(column[i]) > OVERSUBTRACTED:
+            continue
+        column[i] = float("-inf")
+        target = int(column.argmax())
+        if float(column[target]) > 0:
+            out[target].append(j)
+    return out

@@ -186,7 +186,9 @@ def test_focused_candidates_keep_the_pins_then_the_best_fits():
     for i, (full, cut) in enumerate(zip(refined, focused)):
         pins = split.pinned[i].tolist()
         assert cut[: len(pins)].tolist() == pins  # pins first, all kept
-        assert cut.tolist() == full[: max(6, len(pins))].tolist()
+        kept = full[: max(6, len(pins))].tolist()
+        assert cut.tolist()[: len(kept)] == kept
+        assert set(cut.tolist()[len(kept):]) <= set(split.echoes[i].tolist())  # then echoes cut off by the width
     assert [c.tolist() for c in split.focused(refined, width=10**6)] == [c.tolist() for c in refined]
 
 
@@ -196,3 +198,21 @@ def test_split_width_must_be_positive():
     with pytest.raises(ValueError, match="split_width"):
         Dager(split_width=0)
     assert Dager(split_width=None).split_width is None
+
+
+def test_echoes_put_an_over_subtracted_pin_back_where_its_rest_shows():
+    """`_echoes`: a token pinned at position 0 whose row also held a part from position 3 leaves -part
+    at 0 and +part at 3 unexplained; it becomes a candidate at 3 and nowhere else. Pins whose rows the
+    leftover does not show get no echo."""
+    from exact.dager.position_split import _echoes
+
+    gen = torch.Generator().manual_seed(0)
+    words = torch.randn(5, 40, generator=gen, dtype=torch.float64)
+    pinned = [[0], [1], [2], [], []]
+    leftover = torch.zeros(5, 40, dtype=torch.float64)
+    part = 0.4 * words[0]
+    leftover[0], leftover[3] = -part, part
+    leftover[4] = 0.05 * torch.randn(40, generator=gen, dtype=torch.float64)  # an open token's unexplained rest
+    echoes = _echoes(words, pinned, leftover, length=5)
+    assert echoes == [[], [], [], [0], []]
+    assert _echoes(words, pinned, torch.zeros(5, 40, dtype=torch.float64), length=5) == [[]] * 5
