@@ -80,9 +80,10 @@ class PositionSplit:
             out.append(refined if refined.numel() else ids.cpu())
         return out
 
-    def focused(self, candidates: list[Tensor], width: int) -> list[Tensor]:
+    def focused(self, candidates: list[Tensor], width: int, echoes: bool = True) -> list[Tensor]:
         """`candidates` (as `candidates()` returns them) cut to the pinned tokens plus the best-fitting
-        others, `width` in all where fewer are pinned.
+        others, `width` in all where fewer are pinned; then, with `echoes`, the position's echoes that
+        the cut left out.
 
         The search then has fewer combinations per length group, and fewer groups: the end token ranks
         among a position's best fits mainly where a sentence ends (MiniLM, B = 8: 11-12 length groups
@@ -93,10 +94,11 @@ class PositionSplit:
         batch it dropped the two longest sentences' ends.
         """
         out = []
-        for ids, pinned, echoes in zip(candidates, self.pinned, self.echoes):
+        for ids, pinned, echo in zip(candidates, self.pinned, self.echoes):
             cut = ids[: max(width, int(pinned.numel()))]
-            extra = echoes[torch.isin(echoes, ids) & ~torch.isin(echoes, cut)]
-            out.append(torch.cat([cut, extra]))
+            if echoes:
+                cut = torch.cat([cut, echo[torch.isin(echo, ids) & ~torch.isin(echo, cut)]])
+            out.append(cut)
         return out
 
     def summary(self) -> dict:
@@ -192,7 +194,7 @@ def split_first_layer(gradient: Tensor, inputs: FirstLayerInput, tokens: Tensor,
     else:
         scores = torch.zeros(length, 0, dtype=dtype)
         leftover = rest
-    echoes = _echoes(words, pinned, leftover, length)
+    echoes = _echoes(words, pinned, leftover)
     scale = places.norm(dim=1)
     used = scale > ZERO * float(scale.max().clamp_min(1e-300))
     used_positions = int(used.nonzero().max()) + 1 if bool(used.any()) else 0
@@ -209,7 +211,7 @@ def split_first_layer(gradient: Tensor, inputs: FirstLayerInput, tokens: Tensor,
     )
 
 
-def _echoes(words: Tensor, pinned: list[list[int]], leftover: Tensor, length: int) -> list[list[int]]:
+def _echoes(words: Tensor, pinned: list[list[int]], leftover: Tensor) -> list[list[int]]:
     """Per position, the pinned tokens (indices into `words`) that probably also sit there.
 
     A token at positions i and j is pinned at i when most of its row e_(a,i) + e_(a,j) is i's; subtracting
@@ -220,7 +222,7 @@ def _echoes(words: Tensor, pinned: list[list[int]], leftover: Tensor, length: in
     away from a second position and put 5 of them back there, for 20 wrong extra candidates.
     """
     flat = [(i, j) for i, ids in enumerate(pinned) for j in ids]
-    out: list[list[int]] = [[] for _ in range(length)]
+    out: list[list[int]] = [[] for _ in pinned]
     if not flat:
         return out
     rows = torch.stack([words[j] for _, j in flat])

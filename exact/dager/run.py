@@ -336,7 +336,7 @@ class _DagerRun:
             # 47/59 at 3B; benchmarks/results/dager_cpu.md).
             width = config.relaxed_top_k or 2 * max(2, batch_size or 1)
             ranked = self.split.candidates([torch.arange(inputs.vocab_size)] * min(steps, self.split.used_positions))
-            candidates = [r[: max(width, int(self.split.pinned[i].numel()))] for i, r in enumerate(ranked)]
+            candidates = self.split.focused(ranked, width, echoes=False)
             prior = [torch.zeros(c.numel(), dtype=config.dtype) for c in candidates]
         else:
             orders = [torch.argsort(row)[:top_k] for row in dist]

@@ -3,6 +3,7 @@ per-pair gradients read from the model itself, and its use by DAGER's encoder se
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from datamodules.federated import FedSGDClient, NoDefense, ParameterSelection, UpdatePipeline
@@ -190,11 +191,11 @@ def test_focused_candidates_keep_the_pins_then_the_best_fits():
         assert cut.tolist()[: len(kept)] == kept
         assert set(cut.tolist()[len(kept):]) <= set(split.echoes[i].tolist())  # then echoes cut off by the width
     assert [c.tolist() for c in split.focused(refined, width=10**6)] == [c.tolist() for c in refined]
+    plain = split.focused(refined, width=6, echoes=False)  # the relaxed fill's cut: no echoes
+    assert [c.tolist() for c in plain] == [full[: max(6, p.numel())].tolist() for full, p in zip(refined, split.pinned)]
 
 
 def test_split_width_must_be_positive():
-    import pytest
-
     with pytest.raises(ValueError, match="split_width"):
         Dager(split_width=0)
     assert Dager(split_width=None).split_width is None
@@ -213,6 +214,6 @@ def test_echoes_put_an_over_subtracted_pin_back_where_its_rest_shows():
     part = 0.4 * words[0]
     leftover[0], leftover[3] = -part, part
     leftover[4] = 0.05 * torch.randn(40, generator=gen, dtype=torch.float64)  # an open token's unexplained rest
-    echoes = _echoes(words, pinned, leftover, length=5)
+    echoes = _echoes(words, pinned, leftover)
     assert echoes == [[], [], [], [0], []]
-    assert _echoes(words, pinned, torch.zeros(5, 40, dtype=torch.float64), length=5) == [[]] * 5
+    assert _echoes(words, pinned, torch.zeros(5, 40, dtype=torch.float64)) == [[]] * 5
