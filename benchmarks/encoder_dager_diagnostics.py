@@ -10,7 +10,7 @@ candidates. Also: the probe's throughput, each true token's rank by first-layer 
 `--teacher-forced` ranks (the true next token after the true prefix, closed by the end token) and
 `--beam-widths` (a length-free left-to-right beam, printing how many true prefixes survive) and
 `--split` (the first-layer split of exact.dager.position_split: how many pins are right, how many
-true pairs the refined candidates lose) and `--key-span` (whether a pinned token's query/key gradient
+true pairs the refined candidates lose, how many echoes are right and how many lost pairs they restore) and `--key-span` (whether a pinned token's query/key gradient
 lies in the span of its own sentence's first-layer keys/queries, for the true sentence, with one
 position wrong, and with random candidates). Run:
 
@@ -115,6 +115,10 @@ def report_split(layers, update, seqs, candidates, max_length) -> None:
     print(f"pins at a true position: {sum(p in at for p in pins)} of {len(pins)}; true pairs lost by the refined "
           f"candidates: {len(lost)} of {len(at)}; sentences with every pair kept: {whole} of {len(seqs)}")
     print("refined candidates per position:", [int(c.numel()) for c in refined])
+    echoes = [(i, t) for i, e in enumerate(split.echoes) for t in e.tolist()]
+    pinned_away = [(i, t) for i, t in lost if any(t == pt for _, pt in pins)]  # the pin sits at another position
+    print(f"echoes: {len(echoes)}, at a true position {sum(e in at for e in echoes)}; true pairs lost to a pin "
+          f"elsewhere: {len(pinned_away)}, of which echoed back {sum(e in echoes for e in pinned_away)}")
 
 
 def key_span_residual(attention, layers, row: torch.Tensor, pairs: list[tuple[int, int]]) -> float:
