@@ -354,7 +354,7 @@ def run_row(row: Row, data: dict, tokenizer, generator: torch.Generator) -> dict
         with PeakRSS() as mem:
             t0 = time.perf_counter()
             result = attack.attack(target, update, batch_size=row.batch_size, max_length=ctx.max_length,
-                                   trajectory=trajectory)
+                                   trajectory=trajectory, sequence_update=pipeline.sequence_update)
             seconds.append(time.perf_counter() - t0)
         peaks.append(mem.peak - mem.start)
         metrics.append(score_batch(result.sequences, ids[0], mask[0], ctx.decode, result.exact))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,7 @@ from datamodules.federated.hashing import FeatureHasher, Hashing
 from datamodules.federated.losses import ClientBatch, ClientLoss, NextTokenLoss
 from datamodules.federated.observed import ParameterSelection
 from datamodules.federated.protocols import ClientProtocol, FedSGDClient, Observation
-from datamodules.federated.protocols.base import default_check
+from datamodules.federated.protocols.base import default_check, model_mode
 
 
 def target_fingerprint(target: nn.Module) -> str:
@@ -106,6 +107,24 @@ class UpdatePipeline(nn.Module):
             with torch.no_grad():
                 features = self.hasher(update)
         return ObservedUpdates(features=features, update=update if keep_update else None)
+
+    def sequence_update(self, input_ids: Sequence[int] | Tensor) -> dict[str, Tensor] | None:
+        """The update one text sequence alone gives under this client, undefended: {name: gradient}.
+
+        What a server can simulate for a sequence it has recovered (exact.dager.peel subtracts it). Only
+        where the client's update is the plain mean of its sequences' own updates at the global weights:
+        a FedSGD client in eval mode (train mode draws dropout masks the server cannot repeat), the
+        next-token loss and no defense; None otherwise.
+        """
+        if not (isinstance(self.client, FedSGDClient) and self.client.mode == "eval"
+                and isinstance(self.loss, NextTokenLoss) and isinstance(self.defense, NoDefense)):
+            return None
+        device = next(self.target.parameters()).device
+        ids = torch.as_tensor(input_ids, dtype=torch.long, device=device).view(1, 1, -1)
+        with torch.inference_mode(False), torch.enable_grad(), model_mode(self.target, "eval"):
+            per_example = self.loss.per_example_gradients(self.target, self.names, {"input_ids": ids},
+                                                          self.client.implementation)
+        return {name: grads[0] for name, grads in self.split(per_example[:, 0].detach()).items()}
 
     def _check_finite(self, values: Tensor) -> None:
         """Raise on nan/inf in raw client gradients (..., D) before the defense hides them."""

@@ -109,6 +109,7 @@ class DagerCallback(ExactAttackCallback):
             result = attack.attack(
                 pipeline.target, {name: grads[u] for name, grads in split.items()},
                 batch_size=protocol_batch, max_length=protocol_length, trajectory=trajectory,
+                sequence_update=getattr(pipeline, "sequence_update", None),
             )
             self._say_feasibility(pl_module, pipeline, result.diagnostics, attack.min_codimension, protocol_batch)
             scores = score_batch(

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from exact.dager.peel import SequenceUpdate, peel
 from exact.dager.result import DagerResult, degenerate
 from exact.dager.run import _DagerRun
 from exact.layers import DagerLayers, find_layers
@@ -58,6 +59,7 @@ class Dager:
         dropout_search: bool = True,
         split_positions: bool = True,
         split_width: float | None = 2.0,
+        peel: bool = True,
     ) -> None:
         """
         Args:
@@ -113,6 +115,10 @@ class Dager:
                 multiples of the batch size: the pinned tokens, then the best-fitting others (None: every
                 candidate). The default 2 is the relaxed fill's width, checked on development sentences
                 (benchmarks/results/dager_cpu.md, "the split's focus").
+            peel: When the strict search certifies some sequences of a FedSGD update but not all, and the
+                caller can simulate the client (`attack(sequence_update=...)`): subtract the certified
+                sequences' own updates and attack the rest again, while rounds certify more
+                (exact.dager.peel; each round must lower the first-layer rank, else it stops).
         """
         if isinstance(dtype, str):
             if dtype not in ("float64", "float32"):
@@ -159,6 +165,7 @@ class Dager:
         if split_width is not None and split_width <= 0:
             raise ValueError(f"DAGER split_width={split_width} must be positive (or None: keep every candidate)")
         self.split_width = None if split_width is None else float(split_width)
+        self.peel = bool(peel)
         # Which layers DAGER reads in a model does not depend on the options: looked up once per model,
         # and shared with the attacks derived by `with_options`.
         self._layers: weakref.WeakKeyDictionary[nn.Module, DagerLayers] = weakref.WeakKeyDictionary()
@@ -190,6 +197,7 @@ class Dager:
         batch_size: int | None = None,
         max_length: int | None = None,
         trajectory: Sequence[float] = (),
+        sequence_update: SequenceUpdate | None = None,
     ) -> DagerResult:
         """Recover the sequences behind one client update.
 
@@ -206,6 +214,10 @@ class Dager:
                 fewer than `batch_size` sequences (bidirectional ones), at most at
                 `max_trajectory_points`, and kept when more sequences pass along the path, or as many
                 that explain more of the gradients.
+            sequence_update: The server's simulation of the client: token ids of one sequence -> the update
+                that sequence alone gives ({name: gradient}, undefended), for a FedSGD client whose update is
+                the mean of its sequences' own updates; None when it cannot be simulated. With `peel`, the
+                certified sequences are subtracted and the rest attacked again (ignored with a `trajectory`).
         """
         start = time.perf_counter()
         diag: dict[str, Any] = {"batch_size": batch_size, "max_length": max_length}
@@ -233,6 +245,12 @@ class Dager:
                                       dict(diag, passed_at_global_weights=_passed(result)), points).execute()
                     if _rank(again) > _rank(result):
                         result = again
+                elif len(points) <= 1 and self.peel and sequence_update is not None and batch_size is not None:
+                    result = peel(
+                        lambda residual, remaining: _DagerRun(self, target, layers, residual, remaining, max_length,
+                                                              {"batch_size": remaining, "max_length": max_length}).execute(),
+                        update, batch_size, result, sequence_update,
+                    )
         except (RuntimeError, ValueError) as error:  # e.g. an SVD that does not converge on garbage input
             result = degenerate(diag, f"{type(error).__name__}: {error}")
         finally:
@@ -280,7 +298,8 @@ def dager_attack(
     batch_size: int | None = None,
     max_length: int | None = None,
     trajectory: Sequence[float] = (),
+    sequence_update: SequenceUpdate | None = None,
     **options,
 ) -> DagerResult:
-    """Functional shortcut: `Dager(**options).attack(target, update, batch_size, max_length, trajectory)`."""
-    return Dager(**options).attack(target, update, batch_size, max_length, trajectory)
+    """Functional shortcut: `Dager(**options).attack(target, update, batch_size, max_length, trajectory, sequence_update)`."""
+    return Dager(**options).attack(target, update, batch_size, max_length, trajectory, sequence_update)
