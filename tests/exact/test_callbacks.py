@@ -142,12 +142,13 @@ def test_dager_is_told_the_protocol_sizes_not_sizes_read_off_the_client_batch():
     seen = {}
 
     class Spy(Dager):
-        def attack(self, target, update, batch_size=None, max_length=None, trajectory=()):
-            seen.update(batch_size=batch_size, max_length=max_length)
-            return super().attack(target, update, batch_size, max_length, trajectory)
+        def attack(self, target, update, batch_size=None, max_length=None, trajectory=(), sequence_update=None):
+            seen.update(batch_size=batch_size, max_length=max_length, simulation=sequence_update)
+            return super().attack(target, update, batch_size, max_length, trajectory, sequence_update)
 
     datamodule = SimpleNamespace(pipeline=pipeline, tokenizer=None, sequences_per_update=2, seq_len=16)
     module = SimpleNamespace(log=lambda *args, **kwargs: None)
     DagerCallback(attack=Spy(), log_samples=False).on_test_batch_end(
         SimpleNamespace(datamodule=datamodule, sanity_checking=False), module, None, batch, 0)
-    assert seen == {"batch_size": 2, "max_length": 16}
+    # and, for peeling, the server's simulation of the client (an eval-mode FedSGD client can be simulated)
+    assert seen == {"batch_size": 2, "max_length": 16, "simulation": pipeline.sequence_update}
