@@ -118,7 +118,8 @@ class Dager:
             peel: When the strict search certifies some sequences of a FedSGD update but not all, and the
                 caller can simulate the client (`attack(sequence_update=...)`): subtract the certified
                 sequences' own updates and attack the rest again, while rounds certify more
-                (exact.dager.peel; each round must lower the first-layer rank, else it stops).
+                (exact.dager.peel). Each subtraction must lower the second-layer rank; a certified sequence
+                whose subtraction does not is kept out and loses its certificate.
         """
         if isinstance(dtype, str):
             if dtype not in ("float64", "float32"):
