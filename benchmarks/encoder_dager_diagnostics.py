@@ -10,15 +10,18 @@ candidates. Also: the probe's throughput, each true token's rank by first-layer 
 `--teacher-forced` ranks (the true next token after the true prefix, closed by the end token) and
 `--beam-widths` (a length-free left-to-right beam, printing how many true prefixes survive) and
 `--split` (the first-layer split of exact.dager.position_split: how many pins are right, how many
-true pairs the refined candidates lose, how many echoes are right and how many lost pairs they restore) and `--key-span` (whether a pinned token's query/key gradient
+true pairs the refined candidates lose, how many echoes are right and how many lost pairs they restore)
+and `--key-span` (whether a pinned token's query/key gradient
 lies in the span of its own sentence's first-layer keys/queries, for the true sentence, with one
-position wrong, and with random candidates). Run:
+position wrong, and with random candidates). `--peel-true K` first subtracts the first K sentences' own
+updates, as peeling does once it has certified them, and diagnoses the B - K left. Run:
 
     OMP_NUM_THREADS=1 python benchmarks/encoder_dager_diagnostics.py --batch-size 8 [--offset 0]
     OMP_NUM_THREADS=1 python benchmarks/encoder_dager_diagnostics.py --batch-size 8 --l1-only --teacher-forced
     OMP_NUM_THREADS=1 python benchmarks/encoder_dager_diagnostics.py --batch-size 4 --beam-widths 100000 512 256 128
     OMP_NUM_THREADS=1 python benchmarks/encoder_dager_diagnostics.py --batch-size 8 --offset 12 --split
     OMP_NUM_THREADS=1 python benchmarks/encoder_dager_diagnostics.py --batch-size 8 --key-span
+    OMP_NUM_THREADS=2 python benchmarks/encoder_dager_diagnostics.py --batch-size 8 --offset 200 --split --peel-true 2
 
 Needs the optional MiniLM package (dager_benchmark.py's INSTALL["minilm"]).
 """
@@ -191,6 +194,9 @@ def main(argv=None) -> None:
     parser.add_argument("--split", action="store_true", help="how right the first-layer split's pins are, then stop")
     parser.add_argument("--key-span", action="store_true", help="the pinned tokens' key-span test, then stop")
     parser.add_argument("--teacher-forced", action="store_true", help="ranks of true next tokens after the true prefix")
+    parser.add_argument("--peel-true", type=int, default=0, metavar="K",
+                        help="subtract the first K true sentences' own updates first (as peeling would, had it "
+                             "certified them) and diagnose the remaining B - K")
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
     args = parser.parse_args(argv)
     torch.manual_seed(0)
@@ -204,6 +210,10 @@ def main(argv=None) -> None:
                               observed=ParameterSelection(include=layers.observed_names()), hashing=Hashing(bins=1))
     observed = pipeline({"input_ids": ids, "attention_mask": mask}, keep_update=True)
     update = {name: grads[0] for name, grads in pipeline.split(observed.update).items()}
+    for seq in seqs[: args.peel_true]:  # the update the remaining sentences give (mean over all B: a common scale)
+        own = pipeline.sequence_update(seq)
+        update = {name: value - own[name] / len(seqs) for name, value in update.items()}
+    seqs = seqs[args.peel_true :]
     probe, candidates = capture_search(target, update, ctx.dager, len(seqs), ctx.max_length)
     if probe is None:
         print("the attack did not reach the encoder search (strict path not taken)")
