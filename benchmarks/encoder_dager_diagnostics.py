@@ -122,6 +122,10 @@ def report_split(layers, update, seqs, candidates, max_length) -> None:
     pinned_away = [(i, t) for i, t in lost if any(t == pt for _, pt in pins)]  # the pin sits at another position
     print(f"echoes: {len(echoes)}, at a true position {sum(e in at for e in echoes)}; true pairs lost to a pin "
           f"elsewhere: {len(pinned_away)}, of which echoed back {sum(e in echoes for e in pinned_away)}")
+    width = int(2 * len(seqs))  # the strict search's focus (Dager(split_width=2)), echoes appended
+    focused = split.focused(refined, width)
+    reach = sum(all(i < len(focused) and t in focused[i].tolist() for i, t in enumerate(s)) for s in seqs)
+    print(f"after the focus (width {width}, echoes appended): sentences with every pair kept: {reach} of {len(seqs)}")
 
 
 def key_span_residual(attention, layers, row: torch.Tensor, pairs: list[tuple[int, int]]) -> float:
