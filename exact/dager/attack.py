@@ -250,7 +250,8 @@ class Dager:
                     result = peel(
                         lambda residual, remaining: _DagerRun(self, target, layers, residual, remaining, max_length,
                                                               {"batch_size": remaining, "max_length": max_length}).execute(),
-                        update, batch_size, result, sequence_update, self._second_rank(layers, update),
+                        update, batch_size, result, sequence_update,
+                        lambda u: self._second_singular_values(layers, u), self.rank_tol,
                     )
         except (RuntimeError, ValueError) as error:  # e.g. an SVD that does not converge on garbage input
             result = degenerate(diag, f"{type(error).__name__}: {error}")
@@ -261,15 +262,10 @@ class Dager:
 
     __call__ = attack
 
-    def _second_rank(self, layers: DagerLayers, update: Mapping[str, Tensor]):
-        """update -> numerical rank of its second-layer gradient, against `update`'s own largest singular
-        value (a fixed scale, so a residual of rounding noise has rank 0)."""
-        def values(u: Mapping[str, Tensor]) -> Tensor:
-            g = layers.second.input_space(u, self.blocks)
-            return torch.linalg.svdvals(g.to(device=layers.inputs.embedding.device, dtype=self.dtype))
-
-        floor = self.rank_tol * float(values(update).max())
-        return lambda u: int((values(u) > floor).sum())
+    def _second_singular_values(self, layers: DagerLayers, update: Mapping[str, Tensor]) -> Tensor:
+        """Singular values of an update's second-layer gradient (what peeling counts its rank from)."""
+        g = layers.second.input_space(update, self.blocks)
+        return torch.linalg.svdvals(g.to(device=layers.inputs.embedding.device, dtype=self.dtype))
 
     def _trajectory_points(self, trajectory: Sequence[float]) -> tuple[float, ...]:
         """At most `max_trajectory_points` of the offsets, evenly spread, the first and last kept."""

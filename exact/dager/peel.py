@@ -36,18 +36,27 @@ def peel(
     batch_size: int,
     first: DagerResult,
     sequence_update: SequenceUpdate,
-    rank: Callable[[Mapping[str, Tensor]], int],
+    singular_values: Callable[[Mapping[str, Tensor]], Tensor],
+    rank_tol: float,
 ) -> DagerResult:
     """`first` (the attack on the whole update), completed by peeling rounds.
 
-    `attack_remainder(residual, b)` attacks a residual update that holds b sequences; `rank(update)` is
-    the numerical rank of an update's second-layer gradient, against a fixed scale (the whole update's).
-    Returns `first` itself when it certified nothing or everything, or when no subtraction lowered the rank.
+    `attack_remainder(residual, b)` attacks a residual update that holds b sequences;
+    `singular_values(update)` are those of an update's second-layer gradient. Ranks count the values above
+    `rank_tol` times the whole update's largest one (a fixed scale, so a residual of rounding noise has
+    rank 0). Returns `first` itself when it certified nothing or everything, or when no subtraction
+    lowered the rank.
     """
     certified = _certified(first)
     if not certified or len(certified) >= batch_size:
         return first
-    residual, current = dict(update), rank(update)
+    values = singular_values(update)
+    floor = rank_tol * float(values.max())
+
+    def rank(u: Mapping[str, Tensor]) -> int:
+        return int((singular_values(u) > floor).sum())
+
+    residual, current = dict(update), int((values > floor).sum())
     found: list[tuple[list[int], float]] = []  # subtracted, with their scores
     rejected: list[list[int]] = []  # certified by a round, but their subtraction left the rank unchanged
     rounds: list[dict] = []
@@ -61,8 +70,7 @@ def peel(
                 flags.append("peeling stopped: the client's update of a single sequence cannot be simulated")
                 added = 0
                 break
-            trial = {name: value - own[name].to(value) / batch_size if name in own else value
-                     for name, value in residual.items()}
+            trial = without(residual, own, batch_size)
             after = rank(trial)
             if after < current:
                 residual, current = trial, after
@@ -88,6 +96,11 @@ def peel(
         flags.append(f"{len(rejected)} certified sequence(s) left the second-layer rank unchanged when subtracted: "
                      f"certificate withdrawn")
     return _merged(first, last, found, rejected, batch_size, current, rounds, flags)
+
+
+def without(update: Mapping[str, Tensor], own: Mapping[str, Tensor], batch_size: int) -> dict[str, Tensor]:
+    """`update` (a mean over `batch_size` sequences) without one sequence's own update `own`."""
+    return {name: value - own[name].to(value) / batch_size if name in own else value for name, value in update.items()}
 
 
 def _certified(result: DagerResult) -> list[tuple[list[int], float]]:

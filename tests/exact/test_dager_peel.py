@@ -24,9 +24,9 @@ def result(seqs, certs, rank1=9, exact=False):
                        {"rank1": rank1, "mode": "strict+relaxed", "flags": ["1 of 2 sequences are the relaxed best effort"]})
 
 
-def nonzero(update):
-    """A stand-in for the second-layer rank: the coordinates of `w` not yet explained."""
-    return int((update["w"].abs() > 1e-9).sum())
+def magnitudes(update):
+    """A stand-in for the second-layer singular values: the coordinates of `w` (rank: those not yet explained)."""
+    return update["w"].abs()
 
 
 #: Sequence i's own update puts B at coordinate i (so the client's mean over B sequences is all ones).
@@ -45,7 +45,7 @@ def test_peel_subtracts_each_certified_sequence_and_certifies_the_batch_when_not
 
     first = result([(0,), (7,), (8,)], [True, False, False])
     update = {"w": torch.tensor([1.0, 1.0, 1.0, 0.0])}
-    out = peel(remainder, update, 3, first, own, nonzero)
+    out = peel(remainder, update, 3, first, own, magnitudes, 1e-9)
     assert calls == [([0.0, 1.0, 1.0, 0.0], 2), ([0.0, 0.0, 1.0, 0.0], 1)]
     assert out.sequences == [[0], [1], [2]] and out.sequence_exact == [True, True, True] and out.exact
     assert out.diagnostics["mode"] == "strict" and out.diagnostics["peeled"] == 3 and out.diagnostics["rank2_left"] == 0
@@ -56,7 +56,7 @@ def test_peel_subtracts_each_certified_sequence_and_certifies_the_batch_when_not
 def test_peel_keeps_the_last_rounds_best_effort_and_never_certifies_it():
     first = result([(0,), (7,), (8,)], [True, False, False])
     out = peel(lambda residual, b: result([(5,), (6,)], [False, False]), {"w": torch.tensor([1.0, 1.0, 1.0, 0.0])},
-               3, first, own, nonzero)
+               3, first, own, magnitudes, 1e-9)
     assert out.sequences == [[0], [5], [6]] and out.sequence_exact == [True, False, False] and not out.exact
     assert "2 of 3 sequences are the relaxed best effort" in out.diagnostics["flags"]
 
@@ -66,7 +66,7 @@ def test_a_certified_sequence_whose_subtraction_keeps_the_rank_loses_its_certifi
     once (0,) has shown that the simulation matches the client."""
     first = result([(3,), (0,), (8,)], [True, True, False])
     out = peel(lambda residual, b: result([(5,), (6,)], [False, False]), {"w": torch.tensor([1.0, 1.0, 1.0, 0.0])},
-               3, first, own, nonzero)
+               3, first, own, magnitudes, 1e-9)
     assert out.sequences[0] == [0] and out.sequence_exact == [True, False, False]
     assert [3] not in [s for s, c in zip(out.sequences, out.sequence_exact) if c]
     assert any("certificate withdrawn" in f for f in out.diagnostics["flags"])
@@ -76,17 +76,17 @@ def test_peel_leaves_the_first_result_when_no_subtraction_lowers_the_rank():
     """The self-check: an update that is not the mean of its sequences' own updates."""
     first = result([(0,), (7,)], [True, False])
     out = peel(lambda residual, b: pytest.fail("attacked"), {"w": torch.tensor([1.0, 1.0, 0.0, 0.0])}, 2, first,
-               lambda seq: {"w": torch.tensor([0.0, 0.0, 5.0, 0.0])}, nonzero)
+               lambda seq: {"w": torch.tensor([0.0, 0.0, 5.0, 0.0])}, magnitudes, 1e-9)
     assert out is first and out.sequence_exact == [True, False]
     assert any("no certified sequence lowered" in f for f in out.diagnostics["flags"])
 
 
 def test_peel_does_nothing_without_a_simulation_or_a_certified_sequence():
     first = result([(0,), (7,)], [True, False])
-    assert peel(lambda r, b: pytest.fail("attacked"), {"w": torch.ones(4)}, 2, first, lambda seq: None, nonzero) is first
+    assert peel(lambda r, b: pytest.fail("attacked"), {"w": torch.ones(4)}, 2, first, lambda seq: None, magnitudes, 1e-9) is first
     assert any("cannot be simulated" in f for f in first.diagnostics["flags"])
     none = result([(6,), (7,)], [False, False])
-    assert peel(lambda r, b: pytest.fail("attacked"), {"w": torch.ones(4)}, 2, none, own, nonzero) is none
+    assert peel(lambda r, b: pytest.fail("attacked"), {"w": torch.ones(4)}, 2, none, own, magnitudes, 1e-9) is none
 
 
 def test_sequence_updates_average_to_the_clients_update():
