@@ -49,12 +49,21 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from datamodules.federated import (  # noqa: E402
-    DPSGD, FedAvgClient, FedSGDClient, GaussianNoise, Hashing, NoDefense, ParameterSelection, Sign, TopKPruning, UpdatePipeline,
+    DPSGD,
+    FedAvgClient,
+    FedSGDClient,
+    GaussianNoise,
+    Hashing,
+    NoDefense,
+    ParameterSelection,
+    Sign,
+    TopKPruning,
+    UpdatePipeline,
 )
-from exact import Dager, find_layers  # noqa: E402
-from exact.dager import local_step_offsets  # noqa: E402
 from datamodules.metrics import score_batch  # noqa: E402
 from datamodules.targets import HFCausalLM, Transformer3  # noqa: E402
+from exact import Dager, find_layers  # noqa: E402
+from exact.dager import local_step_offsets  # noqa: E402
 
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
 

@@ -39,8 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dager_benchmark import DEFAULT_DATA, batch_of, gpt2_tokenizer, model, sentences  # noqa: E402
 
 from datamodules.federated import FedSGDClient, Hashing, NoDefense, ParameterSelection, UpdatePipeline  # noqa: E402
-from exact import find_layers  # noqa: E402
-from exact import Dager  # noqa: E402
+from exact import (
+    Dager,  # noqa: E402
+    find_layers,  # noqa: E402
+)
 from exact.dager.causal import causal_search  # noqa: E402
 from exact.dager.probe import _SecondLayer  # noqa: E402
 from exact.dager.run import _DagerRun  # noqa: E402

@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dager_benchmark import DEFAULT_DATA, batch_of, context, gpt2_tokenizer, model  # noqa: E402
+
 from datamodules.federated import FedSGDClient, Hashing, NoDefense, ParameterSelection  # noqa: E402
 from datamodules.federated.pipeline import UpdatePipeline  # noqa: E402
 from exact.dager import encoder as encoder_module  # noqa: E402

@@ -29,11 +29,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from datamodules.federated import FedAvgClient  # noqa: E402
+from datamodules.targets import Transformer3  # noqa: E402
 from datamodules.text_inversion import TextInversionDataModule  # noqa: E402
 from exact import Dager  # noqa: E402
 from exact.dager import local_step_offsets, span_basis, token_distances  # noqa: E402
 from exact.dager.probe import _SecondLayer  # noqa: E402
-from datamodules.targets import Transformer3  # noqa: E402
 
 
 def observed_batch(dtype: str, epochs: int, minibatch: int, seed: int):

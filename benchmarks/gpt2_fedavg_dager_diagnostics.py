@@ -31,7 +31,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dager_benchmark import DEFAULT_DATA, FEDAVG_MINIBATCH, MULTI_STEP_THRESHOLD, batch_of, gpt2_tokenizer, model, sentences  # noqa: E402
+from dager_benchmark import (  # noqa: E402
+    DEFAULT_DATA,
+    FEDAVG_MINIBATCH,
+    MULTI_STEP_THRESHOLD,
+    batch_of,
+    gpt2_tokenizer,
+    model,
+    sentences,
+)
 
 from datamodules.federated import FedAvgClient, Hashing, NoDefense, ParameterSelection, UpdatePipeline  # noqa: E402
 from exact import Dager, find_layers  # noqa: E402

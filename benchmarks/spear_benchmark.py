@@ -33,7 +33,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from datamodules.federated import ClassificationLoss, FedAvgClient, FedSGDClient, Hashing, ParameterSelection, UpdatePipeline  # noqa: E402
+from datamodules.federated import (  # noqa: E402
+    ClassificationLoss,
+    FedAvgClient,
+    FedSGDClient,
+    Hashing,
+    ParameterSelection,
+    UpdatePipeline,
+)
 from exact.spear import Spear, relu_linear_layer  # noqa: E402
 
 
@@ -81,8 +88,8 @@ def text_row(args, attack, sequences=1):
 
 
 def vision_row(args, attack, dataset, batch):
-    from datamodules.vision import load_vision_dataset
     from datamodules.targets.vision import FCNN
+    from datamodules.vision import load_vision_dataset
 
     data = load_vision_dataset(dataset)
     split = data.splits["test"]

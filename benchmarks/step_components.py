@@ -57,7 +57,7 @@ def cache_read_seconds(rows: int, bins: int, batch: int, repeats: int) -> float:
             return torch.from_numpy(np.ascontiguousarray(cached[index.numpy()])).float() * scales[index][:, None]
 
         seconds, _ = timed(read, repeats)
-        del cached, table
+        cached = table = None  # release the memmaps before the folder is removed
     return seconds
 
 

@@ -34,9 +34,9 @@ import torch  # noqa: E402
 def protocol_updates(grid, protocol, updates: int) -> torch.Tensor:
     """The undefended (U, D) updates of the first `updates` held-out clients under `protocol`."""
     from datamodules.text_inversion import TextInversionDataModule
-    from lti.trainer_cli import LTICLI, trainer_defaults
     from lti.matrix import Entry, cell_commands
     from lti.module import InversionModule
+    from lti.trainer_cli import LTICLI, trainer_defaults
 
     no_defense = Entry("none", configs=["configs/defenses/none.yaml"])
     fit_args = cell_commands(grid, protocol, no_defense, Entry("lti"))[0][1:]
@@ -65,9 +65,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.updates < 1 or any(not (s > 0 and math.isfinite(s)) for s in args.sigma):
         parser.error("--updates must be >= 1 and every --sigma a finite number > 0")
 
-    from lti.matrix import load_grid, select_cells
-
     import lightning.pytorch  # noqa: F401  (sets its loggers to INFO on import: quiet them after it)
+
+    from lti.matrix import load_grid, select_cells
 
     for logger in ("lightning.pytorch", "lightning.fabric"):  # no trainer banners between the table rows
         logging.getLogger(logger).setLevel(logging.WARNING)

@@ -43,12 +43,12 @@ import torch  # noqa: E402
 
 import datamodules.federated.engines.next_token as engine_module  # noqa: E402
 from datamodules.federated import FedSGDClient, UpdatePipeline  # noqa: E402
+from datamodules.federated.defenses import DPSGD, GaussianNoise, NoDefense, Sign, TopKPruning  # noqa: E402
 from datamodules.federated.engines.next_token import (  # noqa: E402
     per_example_gradients,
     per_example_gradients_loop,
     per_example_gradients_vmap,
 )
-from datamodules.federated.defenses import DPSGD, GaussianNoise, NoDefense, Sign, TopKPruning  # noqa: E402
 from datamodules.targets.base import next_token_loss  # noqa: E402
 from datamodules.targets.transformer3 import Transformer3  # noqa: E402
 

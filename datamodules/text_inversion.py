@@ -16,14 +16,30 @@ from jsonargparse import lazy_instance
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from datamodules.federated import ClientProtocol, Defense, FedSGDClient, Hashing, NextTokenLoss, NoDefense, ParameterSelection
+from datamodules.federated import (
+    ClientProtocol,
+    Defense,
+    FedSGDClient,
+    Hashing,
+    NextTokenLoss,
+    NoDefense,
+    ParameterSelection,
+)
 from datamodules.inversion_data import InversionDataModule, check_sizes
-from datamodules.training_stream import SampledStream
-from datamodules.text import EmbeddedCorpus, MarginalSampler, TextCorpus, load_tokenizer, pack_blocks, pack_lines, tokenize_splits
-from datamodules.text.pseudo import load_counts, token_counts
 from datamodules.inversion_spec import InversionSpec
 from datamodules.registry import materialize
 from datamodules.targets import TargetLM, Transformer3
+from datamodules.text import (
+    EmbeddedCorpus,
+    MarginalSampler,
+    TextCorpus,
+    load_tokenizer,
+    pack_blocks,
+    pack_lines,
+    tokenize_splits,
+)
+from datamodules.text.pseudo import load_counts, token_counts
+from datamodules.training_stream import SampledStream
 
 
 class TextInversionDataModule(InversionDataModule):

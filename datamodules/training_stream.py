@@ -17,8 +17,8 @@ its own generator stream (pseudo-data). Plain PyTorch.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from contextlib import contextmanager
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor

@@ -20,11 +20,19 @@ from typing import Literal
 
 from jsonargparse import lazy_instance
 
-from datamodules.federated import ClassificationLoss, ClientProtocol, Defense, FedSGDClient, Hashing, NoDefense, ParameterSelection
+from datamodules.federated import (
+    ClassificationLoss,
+    ClientProtocol,
+    Defense,
+    FedSGDClient,
+    Hashing,
+    NoDefense,
+    ParameterSelection,
+)
 from datamodules.inversion_data import InversionDataModule, check_sizes
-from datamodules.vision import VISION_DATASETS, VisionData, load_vision_dataset
 from datamodules.registry import materialize
 from datamodules.targets.vision import FCNN, VisionTarget
+from datamodules.vision import VISION_DATASETS, VisionData, load_vision_dataset
 
 
 class ImageInversionDataModule(InversionDataModule):

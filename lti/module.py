@@ -16,11 +16,11 @@ from jsonargparse import lazy_instance
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
-from lti.inverters import EmbeddingInverter, Inverter
-from datamodules.registry import materialize
 from datamodules.metrics import RougeScores, TokenAccuracy, match_sequences, reorder_sequences, rouge_f, token_accuracy
-from lti.loss import InverterLoss
+from datamodules.registry import materialize
 from datamodules.training_stream import NEGATIVES, step_generator
+from lti.inverters import EmbeddingInverter, Inverter
+from lti.loss import InverterLoss
 
 STAGES = ("train", "val", "test")
 

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import difflib
-import warnings
 import importlib
 import inspect
 import re
+import warnings
 
 from jsonargparse import ArgumentError
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
-
-from lti.curves import LearningCurve
-from lti.results import ResultsWriter
 
 # Make the registered classes importable by short name in configs (`class_path: Sign`).
 import datamodules.federated  # noqa: F401,E402
@@ -23,7 +20,8 @@ import datamodules.targets.vision  # noqa: F401,E402
 import datamodules.text  # noqa: F401,E402
 import datamodules.vision  # noqa: F401,E402
 import lti.inverters  # noqa: F401,E402
-
+from lti.curves import LearningCurve
+from lti.results import ResultsWriter
 
 # `model` and `data` take any LightningModule / LightningDataModule by `class_path` (subclass mode);
 # a config that gives no `class_path` gets text inversion, so text configs need none:

@@ -19,15 +19,15 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
-from PIL import Image
 import torch
 from jsonargparse import lazy_instance
 from lightning.pytorch.loggers import WandbLogger
+from PIL import Image
 from torch import Tensor, nn
 from torchmetrics import MeanMetric, MeanSquaredError
 
-from lti.module import STAGES, LearnedInversionModule
 from datamodules.metrics import discrete_accuracy, match_samples, psnr, ssim
+from lti.module import STAGES, LearnedInversionModule
 
 
 class ImageMLPInverter(nn.Module):

@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
 
 PACKAGES = ("datamodules", "exact", "lti")

@@ -4,8 +4,8 @@ import importlib.util
 import sys
 
 import pytest
-
 from conftest import REPO
+
 from datamodules.federated.hashing import Hashing
 
 
@@ -57,8 +57,8 @@ def test_fedavg_dager_diagnostics_measure_zero_distances_for_the_truth_of_a_feds
     import torch
 
     from datamodules.federated import FedSGDClient, UpdatePipeline
-    from exact import Dager
     from datamodules.targets import Transformer3
+    from exact import Dager
 
     module = load_benchmark("fedavg_dager_diagnostics")
     torch.manual_seed(0)
@@ -164,7 +164,7 @@ def test_step_components_benchmark_times_every_component_of_old_and_new_paths(ca
     for line in ("update (+ defense)", "hash", "cached features", "embedding (", "embedding-sampled:bf16:fused (",
                  "inverter forward + loss", "backward", "optimizer (Adam)", "step total (cached features)"):
         assert line in out, line
-    totals = [float(l.split()[-1]) for l in out.splitlines() if "step total" in l]
+    totals = [float(line.split()[-1]) for line in out.splitlines() if "step total" in line]
     assert len(totals) == 4 and all(t > 0 for t in totals)
 
 
@@ -200,9 +200,9 @@ def test_dager_ranked_beam_diagnostic_recovers_a_small_batch(tiny_gpt2):
 def test_dager_benchmark_paper_matching_lets_one_prediction_serve_several_references():
     """The reference code pairs each reference with its best prediction (reuse allowed); our columns pair
     one-to-one. One right sentence repeated scores full marks for it there, half here."""
-    from datamodules.metrics import score_batch
-
     import torch
+
+    from datamodules.metrics import score_batch
 
     module = load_benchmark("dager_benchmark")
     decode = lambda ids: " ".join(f"w{i}" for i in ids)  # noqa: E731

@@ -3,9 +3,9 @@
 from datamodules.federated.accounting import dp_epsilon
 from datamodules.federated.defenses import (
     DEFENSES,
+    DPSGD,
     Compose,
     Defense,
-    DPSGD,
     GaussianNoise,
     NoDefense,
     Sign,
@@ -15,8 +15,15 @@ from datamodules.federated.hashing import FeatureHasher, Hashing, HashSpec, murm
 from datamodules.federated.losses import CLIENT_LOSSES, ClassificationLoss, ClientLoss, NextTokenLoss
 from datamodules.federated.observed import ParameterSelection
 from datamodules.federated.pipeline import ObservedUpdates, UpdatePipeline
+from datamodules.federated.protocols import (
+    CLIENT_PROTOCOLS,
+    ClientProtocol,
+    FedAvgClient,
+    FedSGDClient,
+    LoRAClient,
+    Observation,
+)
 from datamodules.targets.architectures import LORA_TARGETS, PARTIAL_PRESETS, preset_patterns
-from datamodules.federated.protocols import CLIENT_PROTOCOLS, ClientProtocol, FedAvgClient, FedSGDClient, LoRAClient, Observation
 
 __all__ = [
     "CLIENT_PROTOCOLS", "ClientProtocol", "FedAvgClient", "LoRAClient", "dp_epsilon",

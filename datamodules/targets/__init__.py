@@ -2,8 +2,7 @@
 
 from datamodules.targets.base import TargetLM
 from datamodules.targets.hf import HFCausalLM
+from datamodules.targets.hf_encoder import HFEncoderLM
 from datamodules.targets.transformer3 import Transformer3
 
-__all__ = ["TargetLM", "Transformer3", "HFCausalLM"]
-from datamodules.targets.hf_encoder import HFEncoderLM  # noqa: E402
-__all__.append("HFEncoderLM")
+__all__ = ["TargetLM", "Transformer3", "HFCausalLM", "HFEncoderLM"]

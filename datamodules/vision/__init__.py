@@ -1,7 +1,16 @@
 """Images and tables for vision LTI and SPEAR: offline data sets (no Lightning; their clients are the shared `datamodules.federated` protocols with `ClassificationLoss`)."""
 
 from datamodules.vision.datasets import (
-    VISION_DATASETS, Adult, CIFAR10, Digits, MNIST5k, Split, TableColumn, VisionData, VisionSource, load_vision_dataset,
+    CIFAR10,
+    VISION_DATASETS,
+    Adult,
+    Digits,
+    MNIST5k,
+    Split,
+    TableColumn,
+    VisionData,
+    VisionSource,
+    load_vision_dataset,
 )
 
 __all__ = [

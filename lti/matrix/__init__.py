@@ -33,15 +33,25 @@ This package drives the CLI; it holds no model code. Its modules, each importing
 * `cli`: `main`, the `lti matrix` command line (also `python -m lti.matrix`).
 """
 
-from lti.matrix.grid import (KINDS, METRICS, Entry, Grid, cell_commands, cell_fingerprint, cell_folder, cell_id,
-                             load_grid, select_cells)
+from lti.matrix.cell import run_cell
+from lti.matrix.cli import main  # last: the command line sits on top of the rest
+from lti.matrix.grid import (
+                             KINDS,
+                             METRICS,
+                             Entry,
+                             Grid,
+                             cell_commands,
+                             cell_fingerprint,
+                             cell_folder,
+                             cell_id,
+                             load_grid,
+                             select_cells,
+)
+from lti.matrix.launchers import LAUNCHERS, execute_cell, make_launcher
 from lti.matrix.records import FINISHED_STATUSES, import_records, importable_records
 from lti.matrix.report import headline_table, log_to_wandb, markdown_table, write_outputs, write_plots
-from lti.matrix.cell import run_cell
-from lti.matrix.launchers import LAUNCHERS, execute_cell, make_launcher
 from lti.matrix.resources import RESOURCE_KEYS
 from lti.matrix.runner import collect, estimate_remaining, grid_status, plan_grid, run_grid
-from lti.matrix.cli import main  # last: the command line sits on top of the rest
 
 __all__ = [
     "KINDS", "METRICS", "Entry", "Grid", "cell_commands", "cell_fingerprint", "cell_folder", "cell_id", "load_grid",

@@ -3,7 +3,16 @@ import json
 import pytest
 import torch
 
-from datamodules.text import EmbeddedCorpus, LocalCorpus, MarginalSampler, load_tokenizer, pack_blocks, pack_lines, token_counts, tokenize_splits
+from datamodules.text import (
+    EmbeddedCorpus,
+    LocalCorpus,
+    MarginalSampler,
+    load_tokenizer,
+    pack_blocks,
+    pack_lines,
+    token_counts,
+    tokenize_splits,
+)
 from datamodules.text.pseudo import load_counts, save_counts
 from datamodules.text_inversion import TextInversionDataModule
 from datamodules.training_stream import SampledStream

@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from datamodules.federated.hashing import (
-    FeatureHasher, HashSpec, cache_dir, compute_buckets, hash_reference, load_or_compute_buckets, murmur3_32,
+    FeatureHasher,
+    HashSpec,
+    cache_dir,
+    compute_buckets,
+    hash_reference,
+    load_or_compute_buckets,
+    murmur3_32,
 )
 
 

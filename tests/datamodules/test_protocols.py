@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from conftest import observe_text, per_example_text, relative_error
 
 from datamodules.federated import (
     CLIENT_PROTOCOLS,
@@ -29,13 +30,11 @@ from datamodules.federated import (
     dp_epsilon,
     preset_patterns,
 )
-from datamodules.federated.engines.next_token import group_gradients, group_gradients_loop, group_gradients_vmap
 from datamodules.federated.defenses import Compose
+from datamodules.federated.engines.next_token import group_gradients, group_gradients_loop, group_gradients_vmap
+from datamodules.federated.hashing import Hashing
 from datamodules.targets import HFCausalLM, Transformer3
 from datamodules.targets.base import next_token_loss
-from datamodules.federated.hashing import Hashing
-
-from conftest import observe_text, per_example_text, relative_error
 
 #: `next_token_loss` computes the cross-entropy in float32 even for float64 logits, so paths that
 #: sum in different orders agree to float32 precision only.
@@ -496,6 +495,7 @@ def test_protocols_report_their_dp_steps():
 ])
 def test_tiny_fit_with_protocol_overlays(make_config, tmp_path, overlays, client):
     from conftest import REPO
+
     from lti.cli import main
 
     overrides = {"trainer.max_steps": 2, "trainer.val_check_interval": 2, "data.eval_samples": 8}

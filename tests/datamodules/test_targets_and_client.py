@@ -1,12 +1,11 @@
 import pytest
 import torch
+from conftest import per_example_text, relative_error
 
 from datamodules.federated import FedSGDClient, Hashing, ParameterSelection, UpdatePipeline
-from datamodules.federated.engines.next_token import per_example_gradients, per_example_gradients_loop
 from datamodules.federated.defenses import Sign
+from datamodules.federated.engines.next_token import per_example_gradients, per_example_gradients_loop
 from datamodules.targets import Transformer3
-
-from conftest import relative_error, per_example_text
 
 
 def test_transformer3_matches_the_paper_shapes():

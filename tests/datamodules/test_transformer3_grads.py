@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import per_example_text
 
 import datamodules.federated.engines.next_token as client
-from conftest import per_example_text
 from datamodules.federated import FedSGDClient
 from datamodules.federated.engines.next_token import (
     per_example_gradients,
     per_example_gradients_loop,
     per_example_gradients_vmap,
 )
-from datamodules.federated.observed import ParameterSelection
 from datamodules.federated.engines.transformer3 import transformer3_per_example_gradients
+from datamodules.federated.observed import ParameterSelection
 from datamodules.targets.transformer3 import Transformer3
 
 VOCAB, LENGTH = 500, 7

@@ -10,10 +10,18 @@ import pytest
 import torch
 import yaml
 
-from datamodules.federated import ClassificationLoss, FeatureHasher, FedSGDClient, GaussianNoise, Hashing, Sign, UpdatePipeline
+from datamodules.federated import (
+    ClassificationLoss,
+    FeatureHasher,
+    FedSGDClient,
+    GaussianNoise,
+    Hashing,
+    Sign,
+    UpdatePipeline,
+)
 from datamodules.federated.engines.classification import per_sample_gradients, per_sample_gradients_loop
+from datamodules.targets.vision import FCNN, VISION_TARGETS, LeNet
 from datamodules.vision import VISION_DATASETS, load_vision_dataset
-from datamodules.targets.vision import FCNN, LeNet, VISION_TARGETS
 
 needs = lambda package: pytest.mark.skipif(importlib.util.find_spec(package) is None, reason=f"{package} not installed")  # noqa: E731
 

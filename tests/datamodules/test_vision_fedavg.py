@@ -9,10 +9,9 @@ import math
 
 import pytest
 import torch
-
-from datamodules.federated import DPSGD, Sign, ClassificationLoss, FedAvgClient, FedSGDClient, Hashing, UpdatePipeline
-
 from conftest import observe_images, per_example_images
+
+from datamodules.federated import DPSGD, ClassificationLoss, FedAvgClient, FedSGDClient, Hashing, Sign, UpdatePipeline
 from datamodules.targets.vision import FCNN
 
 needs_sklearn = pytest.mark.skipif(importlib.util.find_spec("sklearn") is None, reason="sklearn not installed")

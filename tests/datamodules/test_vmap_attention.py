@@ -6,6 +6,7 @@ import contextlib
 
 import pytest
 import torch
+from conftest import relative_error
 
 from datamodules.federated import ParameterSelection
 from datamodules.federated.engines.attention import vmap_safe_attention
@@ -16,8 +17,6 @@ from datamodules.federated.engines.next_token import (
     per_example_gradients_vmap,
 )
 from datamodules.targets import Transformer3
-
-from conftest import relative_error
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -8,8 +8,8 @@ import pytest
 
 pytest.importorskip("lightning")
 
-from lti.cli import main  # noqa: E402
 from datamodules.federated.hashing import Hashing
+from lti.cli import main  # noqa: E402
 
 
 def test_lti_test_with_dager_callback_writes_metrics_and_samples(make_config, tmp_path):
@@ -93,9 +93,9 @@ def test_fedavg_updates_are_attacked_as_pseudo_gradients_with_looser_thresholds(
     import torch
 
     from datamodules.federated import FedAvgClient, UpdatePipeline
+    from datamodules.targets import Transformer3
     from exact.callbacks import DagerCallback
     from exact.dager import Dager
-    from datamodules.targets import Transformer3
 
     torch.manual_seed(0)
     client = FedAvgClient(mode="eval", samples_per_update=4, local_epochs=2, minibatch_size=2, lr=0.01)

@@ -9,11 +9,11 @@ import torch
 from torch import nn
 
 from datamodules.federated import FedSGDClient, GaussianNoise, NoDefense, ParameterSelection, Sign, UpdatePipeline
-from exact import Dager, find_layers, span_basis, token_distances
-from exact.layers import capture_input
+from datamodules.federated.hashing import Hashing
 from datamodules.metrics import score_batch
 from datamodules.targets import HFCausalLM, Transformer3
-from datamodules.federated.hashing import Hashing
+from exact import Dager, find_layers, span_basis, token_distances
+from exact.layers import capture_input
 
 VOCAB = 500
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from datamodules.federated import FedSGDClient, NoDefense, ParameterSelection, UpdatePipeline
+from datamodules.federated.hashing import Hashing
+from datamodules.targets import HFEncoderLM
 from exact import Dager, find_layers, span_basis
 from exact.dager.encoder import EncoderSearch
 from exact.dager.probe import _SecondLayer
-from datamodules.targets import HFEncoderLM
-from datamodules.federated.hashing import Hashing
 
 VOCAB, EOS, CLS = 300, 2, 1
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_dager_position_split import EOS, client_update, encoder, planted
 
 from datamodules.federated import FedAvgClient, FedSGDClient, NoDefense, ParameterSelection, UpdatePipeline
 from datamodules.federated.defenses import GaussianNoise
@@ -16,7 +17,6 @@ from datamodules.federated.hashing import Hashing
 from exact import Dager, find_layers
 from exact.dager.peel import peel
 from exact.dager.result import DagerResult
-from test_dager_position_split import EOS, client_update, encoder, planted
 
 
 def result(seqs, certs, rank1=9, exact=False):

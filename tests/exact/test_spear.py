@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from exact.spear import Spear, SpearResult, relu_linear_layer, sparsity_agreement
 from datamodules.federated.hashing import Hashing
+from exact.spear import Spear, SpearResult, relu_linear_layer, sparsity_agreement
 
 
 def planted(b=8, n=50, m=100, dtype=torch.float64, seed=0, dead=0, positive=False):

@@ -9,8 +9,8 @@ import torch
 
 pytest.importorskip("lightning")
 
-from exact.callbacks import SpearCallback  # noqa: E402
 from datamodules.federated.hashing import Hashing
+from exact.callbacks import SpearCallback  # noqa: E402
 
 
 class RecordingModule:

@@ -6,10 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import REPO
 
 from lti.cli import main
-
-from conftest import REPO
 
 
 def _metrics(root: Path, stage: str) -> dict:

@@ -14,12 +14,11 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 
 from lti.matrix import collect, grid_status, load_grid, main, run_grid
 from lti.matrix.launchers import LocalLauncher, SlurmLauncher, read_job_file
 from lti.matrix.resources import cell_resources, parse_resource_flags, parse_resources
-
-from conftest import REPO
 
 
 def _process_state(pid: int) -> str | None:

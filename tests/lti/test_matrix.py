@@ -6,11 +6,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import REPO
 
 from lti.cli import main as lti_main
 from lti.matrix import cell_commands, load_grid, main, run_grid
-
-from conftest import REPO
 
 
 def test_grid_runs_writes_tables_and_plots_and_resumes(grid_file, tmp_path):
@@ -209,8 +208,9 @@ def test_markdown_has_one_protocol_by_defense_table_per_attack_with_its_headline
                   not_applicable={"lora": "no ReLU layer observed"})
     grid = Grid(out_dir=Path("unused"), base=[], overrides={}, attacks=[Entry("lti"), spear],
                 defenses=[Entry("none"), Entry("sign")], protocols=[Entry("fedsgd"), Entry("lora")], wandb={})
-    ok = lambda protocol, defense, attack, **metrics: {
-        "protocol": protocol, "defense": defense, "attack": attack, "status": "ok", "metrics": metrics}
+    def ok(protocol, defense, attack, **metrics):
+        return {
+            "protocol": protocol, "defense": defense, "attack": attack, "status": "ok", "metrics": metrics}
     records = [
         ok("fedsgd", "none", "lti", token_acc=0.25, rouge1=0.3),
         {"protocol": "fedsgd", "defense": "sign", "attack": "lti", "status": "failed", "reason": "boom"},

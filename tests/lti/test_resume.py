@@ -5,10 +5,9 @@ import csv
 
 import pytest
 import torch
+from conftest import tiny_config
 
 from lti.cli import main
-
-from conftest import tiny_config
 
 N = 3  # steps before the interruption; 16 auxiliary blocks = 4 batches per epoch, so 2N crosses an epoch
 

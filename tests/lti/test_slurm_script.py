@@ -8,7 +8,6 @@ import subprocess
 
 import pytest
 import torch
-
 from conftest import REPO
 
 SCRIPT = REPO / "configs" / "slurm" / "fit_ddp.sbatch"

@@ -7,8 +7,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from datamodules.federated.protocols.base import ClientProtocol, Observation, check_choice, model_mode
 from datamodules.federated.losses import ClientBatch
+from datamodules.federated.protocols.base import ClientProtocol, Observation, check_choice, model_mode
 
 
 class FedSGDClient(ClientProtocol):

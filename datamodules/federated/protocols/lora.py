@@ -15,9 +15,9 @@ from torch import Tensor, nn
 
 from datamodules.federated.losses import ClientBatch
 from datamodules.federated.observed import ParameterSelection
-from datamodules.targets.architectures import LORA_TARGETS, architecture_of
 from datamodules.federated.protocols.base import ClientProtocol, Observation
 from datamodules.federated.protocols.fedsgd import FedSGDClient
+from datamodules.targets.architectures import LORA_TARGETS, architecture_of
 
 
 def _is_adapter(name: str) -> bool:
@@ -104,7 +104,8 @@ class LoRAClient(ClientProtocol):
             if arch not in LORA_TARGETS:
                 raise ValueError(f"no default LoRA target modules for {arch!r}; set target_modules (known: {', '.join(LORA_TARGETS)})")
         modules = list(self.target_modules or LORA_TARGETS[arch])
-        matches = lambda path: any(path == m or path.endswith("." + m) for m in modules)  # peft's suffix rule
+        def matches(path):
+            return any(path == m or path.endswith("." + m) for m in modules)  # peft's suffix rule
         for name, module in target.named_modules():
             # Inside nn.MultiheadAttention the out_proj Linear is never called (the functional
             # attention reads its weight), and peft's wrapper of the whole module merges adapters into
