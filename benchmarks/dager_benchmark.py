@@ -63,7 +63,7 @@ from datamodules.federated import (  # noqa: E402
 from datamodules.metrics import score_batch  # noqa: E402
 from datamodules.targets import HFCausalLM, Transformer3  # noqa: E402
 from exact import Dager, find_layers  # noqa: E402
-from exact.dager import local_step_offsets  # noqa: E402
+from exact.dager import EncoderOptions, local_step_offsets  # noqa: E402
 
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
 
@@ -278,20 +278,20 @@ def context(kind: str, data: dict, gpt2_tok, text: str = "wikitext") -> Context:
     if text != "wikitext":  # only GPT-2 rows read other texts; each text keeps its own place in its pool
         key = f"{kind}-{text}"
         if key not in data:
-            data[key] = Context(rt_sentences(gpt2_tok), gpt2_tok.eos_token_id, gpt2_tok.decode, Dager(**data["dager"]), 48)
+            data[key] = Context(rt_sentences(gpt2_tok), gpt2_tok.eos_token_id, gpt2_tok.decode, Dager().with_options(**data["dager"]), 48)
         return data[key]
     if kind in data:
         return data[kind]
     if kind == "gpt2":
-        ctx = Context(data["sentences"], gpt2_tok.eos_token_id, gpt2_tok.decode, Dager(**data["dager"]), 32)
+        ctx = Context(data["sentences"], gpt2_tok.eos_token_id, gpt2_tok.decode, Dager().with_options(**data["dager"]), 32)
     elif kind == "t3":
-        ctx = Context(data["blocks"], gpt2_tok.eos_token_id, gpt2_tok.decode, Dager(**data["dager"]), 16)
+        ctx = Context(data["blocks"], gpt2_tok.eos_token_id, gpt2_tok.decode, Dager().with_options(**data["dager"]), 16)
     elif kind == "smollm2":  # its own BPE tokenizer (saved with the cached copy); sentences as for GPT-2
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(model("smollm2", False).pretrained)
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        ctx = Context(sentences(data["path"], tok), pad, tok.decode, Dager(**data["dager"]), 32)
+        ctx = Context(sentences(data["path"], tok), pad, tok.decode, Dager().with_options(**data["dager"]), 32)
     else:  # MiniLM: its own uncased WordPiece tokenizer; sentences end with [SEP]
         from transformers import AutoTokenizer
 
@@ -304,7 +304,7 @@ def context(kind: str, data: dict, gpt2_tok, text: str = "wikitext") -> Context:
                     if 6 <= len(ids) <= 32:
                         pool.append(ids)
         decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
-        ctx = Context(pool, tok.pad_token_id, decode, Dager(**{"eos_token_id": tok.sep_token_id, **data["dager"]}), 32)
+        ctx = Context(pool, tok.pad_token_id, decode, Dager(encoder=EncoderOptions(eos_token_id=tok.sep_token_id)).with_options(**data["dager"]), 32)
     data[kind] = ctx
     return ctx
 
@@ -342,8 +342,9 @@ def run_row(row: Row, data: dict, tokenizer, generator: torch.Generator) -> dict
         lr = data.get("fedavg_lr", 1e-3)
         client = FedAvgClient(row.mode, row.batch_size, local_epochs=row.local_epochs, minibatch_size=FEDAVG_MINIBATCH,
                               lr=lr, dtype=data.get("fedavg_dtype", "model"))
-        attack = attack.with_options(l1_threshold=max(attack.l1_threshold, MULTI_STEP_THRESHOLD),
-                                     l2_threshold=max(attack.l2_threshold, MULTI_STEP_THRESHOLD))
+        span = attack.options.span
+        attack = attack.with_options(span={"l1_threshold": max(span.l1_threshold, MULTI_STEP_THRESHOLD),
+                                           "l2_threshold": max(span.l2_threshold, MULTI_STEP_THRESHOLD)})
         if data.get("trajectory", True):
             trajectory = local_step_offsets(client)
     else:
@@ -396,8 +397,8 @@ def main(argv=None) -> None:
     parser.add_argument("--batches", type=int, default=None, help="client updates per row (overrides --scale)")
     parser.add_argument("--rows", nargs="*", default=None, help="row names to run (default: all)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dager", nargs="*", default=[], metavar="OPTION=VALUE",
-                        help="DAGER options other than the defaults, e.g. relaxed_span_fraction=0.91")
+    parser.add_argument("--dager", nargs="*", default=[], metavar="GROUP.OPTION=VALUE",
+                        help="DAGER options other than the defaults, GROUP.OPTION=VALUE, e.g. relaxed.span_fraction=0.91")
     parser.add_argument("--fedavg-lr", type=float, default=1e-3, help="FedAvg rows: the client's learning rate")
     parser.add_argument("--fedavg-dtype", choices=["model", "float64"], default="model",
                         help="FedAvg rows: the client's arithmetic (float64: exact deltas, the attack's best case)")
@@ -417,12 +418,13 @@ def main(argv=None) -> None:
     tokenizer = gpt2_tokenizer()
     import yaml
 
-    options = {}
+    options: dict = {}
     for item in args.dager:
         key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--dager {item!r}: expected OPTION=VALUE")
-        options[key] = yaml.safe_load(value)
+        group, dot, name = key.partition(".")
+        if not sep or not dot:
+            raise SystemExit(f"--dager {item!r}: expected GROUP.OPTION=VALUE")
+        options.setdefault(group, {})[name] = yaml.safe_load(value)
     data = {"sentences": sentences(args.data, tokenizer), "blocks": blocks(args.data, tokenizer), "path": args.data,
             "dager": options, "trajectory": not args.no_trajectory, "show": args.show_diagnostics,
             "fedavg_lr": args.fedavg_lr, "fedavg_dtype": args.fedavg_dtype, "pool_offset": args.pool_offset}

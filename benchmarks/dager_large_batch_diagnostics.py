@@ -45,7 +45,6 @@ from exact import (
 )
 from exact.dager.causal import causal_search  # noqa: E402
 from exact.dager.probe import _SecondLayer  # noqa: E402
-from exact.dager.run import _DagerRun  # noqa: E402
 from exact.dager.span import span_basis, token_distances  # noqa: E402
 
 
@@ -111,10 +110,11 @@ def ranked_beam(target, seqs: list[list[int]], update: dict, beam: int, rank: in
     length = max(len(s) for s in seqs)
     dist1 = token_distances(basis1, layers.inputs, list(range(length - 1)))
     candidates = [torch.nonzero(row < l1_threshold).flatten() for row in dist1]
-    run = _DagerRun(Dager(), target, layers, update, len(seqs), length, {})
+    options = Dager().options
     out: dict = {"prefixes": {}}
     for k in [*steps, length - 1]:
-        found, _ = causal_search(run, _SecondLayer(target, layers, basis2, 16384), candidates, k, beam=beam)
+        found, _ = causal_search(_SecondLayer(target, layers, basis2, 16384), candidates, k, options.causal,
+                                 options.span.l2_threshold, [], beam=beam)
         if k == length - 1:
             out["whole"] = sum(any(tuple(f[: len(s) - 1]) == tuple(s[:-1]) for f in found) for s in seqs)
         else:

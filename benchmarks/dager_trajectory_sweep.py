@@ -22,7 +22,7 @@ from datamodules.federated import FedAvgClient, ParameterSelection, UpdatePipeli
 from datamodules.federated.hashing import Hashing  # noqa: E402
 from datamodules.targets import Transformer3  # noqa: E402
 from exact import Dager, find_layers  # noqa: E402
-from exact.dager import local_step_offsets  # noqa: E402
+from exact.dager import SpanTests, local_step_offsets  # noqa: E402
 
 VOCAB = 500
 
@@ -44,7 +44,7 @@ def main() -> None:
             truth = {tuple(s) for s in ids[0].tolist()}
             trajectory = local_step_offsets(client)
             for threshold in (1e-3, 1e-2):
-                attack = Dager(l1_threshold=threshold, l2_threshold=threshold)
+                attack = Dager(span=SpanTests(l1_threshold=threshold, l2_threshold=threshold))
                 row = []
                 for points in ((), trajectory):
                     start = time.perf_counter()

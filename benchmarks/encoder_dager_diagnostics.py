@@ -226,12 +226,12 @@ def main(argv=None) -> None:
         print("the attack did not reach the encoder search (strict path not taken)")
         return
     if args.split:
-        report_split(layers, update, seqs, candidates, ctx.max_length, ctx.dager.split_width)
+        report_split(layers, update, seqs, candidates, ctx.max_length, ctx.dager.options.encoder.split_width)
         return
     if args.key_span:
         report_key_span(target, layers, update, seqs, candidates, ctx.max_length)
         return
-    threshold = ctx.dager.l2_threshold
+    threshold = ctx.dager.options.span.l2_threshold
     print(f"B = {len(seqs)}, lengths {sorted(len(s) for s in seqs)}, l2 threshold {threshold:g}, "
           f"span rank {probe.basis.rank} of {probe.basis.dim}")
     print("candidates per position:", [int(c.numel()) for c in candidates])
@@ -249,7 +249,7 @@ def main(argv=None) -> None:
     print(f"probe throughput: {trial.numel() / (time.perf_counter() - t0):.0f} tokens/s (2,000 sequences of 20; "
           f"{torch.get_num_threads()} threads)")
     if args.beam_widths:
-        beam_survival(probe, candidates, seqs, ctx.dager.eos_token_id, threshold, args.beam_widths)
+        beam_survival(probe, candidates, seqs, ctx.dager.options.encoder.eos_token_id, threshold, args.beam_widths)
         return
     for s in sorted(seqs, key=len):
         inside = all(p < len(candidates) and bool((candidates[p] == t).any()) for p, t in enumerate(s))
@@ -280,7 +280,7 @@ def main(argv=None) -> None:
         if args.teacher_forced:
             # Left to right with the true prefix: the rank of the true next token among all candidates,
             # each extension closed with the end token and scored by the mean (and the last) distance.
-            eos = ctx.dager.eos_token_id
+            eos = ctx.dager.options.encoder.eos_token_id
             mean_ranks, last_ranks = [], []
             for p in range(1, len(s) - 1):
                 cands = candidates[p]

@@ -32,7 +32,7 @@ from datamodules.federated import FedAvgClient  # noqa: E402
 from datamodules.targets import Transformer3  # noqa: E402
 from datamodules.text_inversion import TextInversionDataModule  # noqa: E402
 from exact import Dager  # noqa: E402
-from exact.dager import local_step_offsets, span_basis, token_distances  # noqa: E402
+from exact.dager import EncoderOptions, SpanTests, local_step_offsets, span_basis, token_distances  # noqa: E402
 from exact.dager.probe import _SecondLayer  # noqa: E402
 
 
@@ -51,15 +51,15 @@ def observed_batch(dtype: str, epochs: int, minibatch: int, seed: int):
 
 def capped_basis(attack: Dager, gradient: torch.Tensor, ids: torch.Tensor):
     """The span basis DAGER tests against: its numerical rank, capped at B x L directions as it does."""
-    basis = span_basis(gradient, attack.rank_tol, None, attack.dtype)
+    basis = span_basis(gradient, attack.options.span.rank_tol, None, attack.options.span.torch_dtype)
     return basis.with_rank(min(basis.numerical_rank, ids.numel()))
 
 
 def true_token_distances(attack: Dager, target, update: dict, ids: torch.Tensor) -> tuple[float, float]:
     """(largest first-layer distance of the update's true tokens, median distance of the vocabulary)."""
     layers = attack.layers(target)
-    basis = capped_basis(attack, layers.first.input_space(update, attack.blocks), ids)
-    dist = token_distances(basis, layers.inputs, list(range(ids.shape[-1])), dtype=attack.dtype)  # (L, V)
+    basis = capped_basis(attack, layers.first.input_space(update, attack.options.span.blocks), ids)
+    dist = token_distances(basis, layers.inputs, list(range(ids.shape[-1])), dtype=attack.options.span.torch_dtype)  # (L, V)
     true = dist.gather(1, ids.T.to(dist.device))  # (L, n): position p, sequence s
     return float(true.max()), float(dist.median())
 
@@ -69,9 +69,9 @@ def true_sequence_distances(attack: Dager, target, update: dict, ids: torch.Tens
     with its probe: block-1 inputs at the global weights, or the least over the trajectory's points,
     against the layer-2 span, capped at B x L)."""
     layers = attack.layers(target)
-    basis = capped_basis(attack, layers.second.input_space(update, attack.blocks), ids)
+    basis = capped_basis(attack, layers.second.input_space(update, attack.options.span.blocks), ids)
     with torch.no_grad():
-        return _SecondLayer(target, layers, basis, attack.token_budget, update, trajectory).full(ids).max(dim=1).values
+        return _SecondLayer(target, layers, basis, attack.options.budgets.probe_tokens, update, trajectory).full(ids).max(dim=1).values
 
 
 def main() -> None:
@@ -80,14 +80,15 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--minibatch", type=int, default=2)
     parser.add_argument("--threshold", type=float, default=1e-2, help="DAGER's l1/l2 thresholds (the matrix: 1e-2)")
-    parser.add_argument("--encoder-token-budget", type=int, default=Dager().encoder_token_budget,
+    parser.add_argument("--encoder-token-budget", type=int, default=EncoderOptions().token_budget,
                         help="tokens DAGER's bidirectional search may run through block 1 per update")
     parser.add_argument("--dtypes", nargs="+", choices=["float32", "float64"], default=["float32", "float64"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trajectory", action="store_true",
                         help="second-layer test also at the weights of each local step (Dager.attack(trajectory=...))")
     args = parser.parse_args()
-    attack = Dager(l1_threshold=args.threshold, l2_threshold=args.threshold, encoder_token_budget=args.encoder_token_budget)
+    attack = Dager(span=SpanTests(l1_threshold=args.threshold, l2_threshold=args.threshold),
+                   encoder=EncoderOptions(token_budget=args.encoder_token_budget))
     print(f"# eval-mode FedAvg E = {args.epochs}, B = {args.minibatch}, n = 4, lr 0.01; DAGER thresholds {args.threshold:g}, "
           f"search budget {args.encoder_token_budget:,} tokens; second-layer test "
           f"{'along the local trajectory' if args.trajectory else 'at the global weights'}")

@@ -43,7 +43,7 @@ from dager_benchmark import (  # noqa: E402
 
 from datamodules.federated import FedAvgClient, Hashing, NoDefense, ParameterSelection, UpdatePipeline  # noqa: E402
 from exact import Dager, find_layers  # noqa: E402
-from exact.dager import local_step_offsets  # noqa: E402
+from exact.dager import SpanTests, local_step_offsets  # noqa: E402
 from exact.dager.probe import _SecondLayer, shifted  # noqa: E402
 from exact.dager.span import span_basis, token_distances  # noqa: E402
 
@@ -92,7 +92,7 @@ def diagnose(target, seqs: list[list[int]], update: dict, offsets: tuple[float, 
         worst_w = [float(at_w.full(torch.tensor(s[:-1])[None])[0].max()) for s in seqs]
         worst_path = [float(along.full(torch.tensor(s[:-1])[None])[0].max()) for s in seqs]
         out["layer2"][name] = {"global": worst_w, "path": worst_path}
-    attack = Dager(l1_threshold=MULTI_STEP_THRESHOLD, l2_threshold=MULTI_STEP_THRESHOLD)
+    attack = Dager(span=SpanTests(l1_threshold=MULTI_STEP_THRESHOLD, l2_threshold=MULTI_STEP_THRESHOLD))
     result = attack.attack(target, update, batch_size=len(seqs), max_length=max_length, trajectory=offsets)
     out["attack"] = {"exact_sequences": sum(1 for s in result.sequences if s in seqs), "mode": result.diagnostics.get("mode"),
                      "flags": result.diagnostics.get("flags", [])}

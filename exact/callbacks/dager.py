@@ -72,10 +72,11 @@ class DagerCallback(ExactAttackCallback):
         steps = client.local_steps() if client is not None and hasattr(client, "local_steps") else 1
         if steps <= 1 or self.multi_step_threshold is None:
             return self.attack
-        return self.attack.with_options(
-            l1_threshold=max(self.attack.l1_threshold, self.multi_step_threshold),
-            l2_threshold=max(self.attack.l2_threshold, self.multi_step_threshold),
-        )
+        span = self.attack.options.span
+        return self.attack.with_options(span={
+            "l1_threshold": max(span.l1_threshold, self.multi_step_threshold),
+            "l2_threshold": max(span.l2_threshold, self.multi_step_threshold),
+        })
 
     def _trajectory(self, pipeline: Any) -> tuple[float, ...]:
         """Offsets t * lr of a multi-step client's local steps (the update DAGER reads is the mean of
@@ -111,7 +112,8 @@ class DagerCallback(ExactAttackCallback):
                 batch_size=protocol_batch, max_length=protocol_length, trajectory=trajectory,
                 sequence_update=getattr(pipeline, "sequence_update", None),
             )
-            self._say_feasibility(pl_module, pipeline, result.diagnostics, attack.min_codimension, protocol_batch)
+            self._say_feasibility(pl_module, pipeline, result.diagnostics, attack.options.span.min_codimension,
+                                   protocol_batch)
             scores = score_batch(
                 result.sequences, ids[u].cpu(), None if mask is None else mask[u].cpu(), decode, result.exact
             )

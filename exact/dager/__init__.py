@@ -14,15 +14,33 @@ steps, one module each:
 4. `last_token`: the last token of each causal sequence (a label only) from the gradient of the final
    normalisation.
 
-`attack.Dager` is the configuration; `run._DagerRun` is one attack on one update (the strict path,
-the relaxed best effort when it fails, and the certificate that the recovered sequences explain both
-gradients); `result.DagerResult` is what it returns.
+`attack.Dager` is the configuration, its options in groups (`options`: `SpanTests`, `Budgets`,
+`CausalOptions`, `EncoderOptions`, `RelaxedFill`, `Extensions`); `run.DagerRun` is one attack on one
+update (the strict path, the relaxed best effort when it fails, and the certificate that the
+recovered sequences explain both gradients), which hands each step the options and state it needs;
+`result.DagerResult` is what it returns. `probe.SecondLayerProbe` runs block 1 on candidate
+sequences (also what the diagnostics scripts in benchmarks/ measure with).
 
 Plain PyTorch: this package never imports Lightning.
 """
 
 from exact.dager.attack import Dager, dager_attack, local_step_offsets
+from exact.dager.options import (
+    Budgets,
+    CausalOptions,
+    DagerOptions,
+    EncoderOptions,
+    Extensions,
+    RelaxedFill,
+    SpanTests,
+)
+from exact.dager.probe import SecondLayerProbe
 from exact.dager.result import DagerResult
+from exact.dager.run import DagerRun
 from exact.dager.span import SpanBasis, span_basis, token_distances
 
-__all__ = ["Dager", "DagerResult", "SpanBasis", "dager_attack", "local_step_offsets", "span_basis", "token_distances"]
+__all__ = [
+    "Budgets", "CausalOptions", "Dager", "DagerOptions", "DagerResult", "DagerRun", "EncoderOptions", "Extensions",
+    "RelaxedFill", "SecondLayerProbe", "SpanBasis", "SpanTests", "dager_attack", "local_step_offsets", "span_basis",
+    "token_distances",
+]

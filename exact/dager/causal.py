@@ -8,31 +8,27 @@ first-layer inputs: one unordered candidate set feeds every position.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
-from exact.dager.probe import _PrefixCache, _SecondLayer
-
-if TYPE_CHECKING:
-    from exact.dager.run import _DagerRun
+from exact.dager.options import CausalOptions
+from exact.dager.probe import SecondLayerProbe, _PrefixCache
 
 
 def causal_search(
-    run: _DagerRun, probe: _SecondLayer, candidates: list[Tensor], steps: int, beam: int | None = None,
-    prior: list[Tensor] | None = None,
+    probe: SecondLayerProbe, candidates: list[Tensor], steps: int, options: CausalOptions, l2_threshold: float,
+    flags: list[str], beam: int | None = None, prior: list[Tensor] | None = None,
 ) -> tuple[list[list[int]], list[float]]:
     """Prefix extension over at most `steps` positions. Returns (sequences, scores): the maximal
     prefixes that passed (strict, `beam` None), or the `beam` best prefixes of full length (relaxed,
     ranked by mean second-layer distance plus the candidates' first-layer distance `prior`).
 
-    Reads the attack's settings, the layers and the flags of `run`; bounds that cut the search are
-    added to its flags.
+    `probe` runs block 1 of the model (its `layers`); a sequence passes below `l2_threshold`. Bounds
+    of `options` that cut the search are added to `flags` (reasons the result cannot be certified).
     """
-    config, layers, flags = run.config, run.layers, run.flags
+    layers = probe.layers
     cached = None
-    if config.use_cache and layers.hf_base_model is not None and not probe.trajectory:  # the cache is of one weight set
+    if options.use_cache and layers.hf_base_model is not None and not probe.trajectory:  # the cache is of one weight set
         cached = _PrefixCache(probe, layers.hf_base_model)
     dtype = probe.basis.u.dtype
     prefixes = torch.empty(1, 0, dtype=torch.long)
@@ -42,8 +38,8 @@ def causal_search(
         cand = (candidates[0] if layers.rope else candidates[p]).cpu()
         first = None if prior is None else (prior[0] if layers.rope else prior[p]).cpu().to(dtype)
         k = cand.numel()
-        if prefixes.shape[0] * k > config.max_pairs:  # bounded search: keep the best prefixes
-            width = max(1, config.max_pairs // k)
+        if prefixes.shape[0] * k > options.max_pairs:  # bounded search: keep the best prefixes
+            width = max(1, options.max_pairs // k)
             flags.append(f"position {p}: {prefixes.shape[0]} prefixes x {k} candidates, kept {width} prefixes")
             best = torch.argsort(scores)[:width]
             prefixes, scores = prefixes[best], scores[best]
@@ -61,7 +57,7 @@ def causal_search(
 
         def retain(start: int, dist: Tensor) -> Tensor:
             if beam is None:
-                return torch.nonzero(dist < config.l2_threshold).flatten()
+                return torch.nonzero(dist < l2_threshold).flatten()
             return torch.argsort(pair_scores(start, dist))[:beam].sort().values
 
         dist = None
@@ -76,10 +72,10 @@ def causal_search(
         dist = dist.cpu().to(dtype)
         total = pair_scores(0, dist)
         if beam is None:
-            keep = torch.nonzero(dist < config.l2_threshold).flatten()
-            if keep.numel() > config.max_prefixes:
-                flags.append(f"position {p}: {keep.numel()} prefixes, kept the closest {config.max_prefixes}")
-                keep = keep[torch.argsort(total[keep])[: config.max_prefixes]].sort().values
+            keep = torch.nonzero(dist < l2_threshold).flatten()
+            if keep.numel() > options.max_prefixes:
+                flags.append(f"position {p}: {keep.numel()} prefixes, kept the closest {options.max_prefixes}")
+                keep = keep[torch.argsort(total[keep])[: options.max_prefixes]].sort().values
         else:
             keep = torch.argsort(total)[:beam].sort().values
         extended = torch.zeros(n, dtype=torch.bool)

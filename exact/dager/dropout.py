@@ -43,15 +43,16 @@ not implemented here.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from exact.dager.last_token import recover_last_tokens
-from exact.dager.result import DagerResult
+from exact.dager.options import SpanTests
 from exact.dager.span import _TINY, SpanBasis, span_basis, token_distances
-from exact.layers import FirstLayerInput
+from exact.layers import DagerLayers, FirstLayerInput
 
 
 @dataclass
@@ -417,22 +418,35 @@ def _identify(basis: SpanBasis, inputs: FirstLayerInput, plane: Tensor, child: T
     return found[0] if found else None
 
 
-def dropout_attack(run, basis1: SpanBasis):
+@dataclass
+class DropoutChains:
+    """The sequences chained from the masked inputs (without their last token, a label)."""
+
+    sequences: list[list[int]]
+    #: Per sequence, its worst link's score.
+    link_scores: list[float]
+    #: Why the chains cannot be certified (empty when the inputs and links are).
+    flags: list[str]
+
+
+def dropout_attack(
+    target: nn.Module, layers: DagerLayers, update: Mapping[str, Tensor], basis1: SpanBasis, steps: int,
+    batch_size: int | None, span: SpanTests, vocab_chunk: int, diag: dict[str, Any],
+) -> DropoutChains | None:
     """Sequences of a train-mode client with embedding dropout (module docstring), or None.
 
-    `run` is the `_DagerRun` of this update (settings, layers, update, flags, diagnostics). Returns
-    a `DagerResult` when the inputs were found and chained, None when the premises do not hold
-    (then the relaxed best effort runs as before).
+    Reads `update` and the first-layer span `basis1` of `target` (its `layers`) at the `steps` input
+    positions, with the thresholds of `span`, `vocab_chunk` vocabulary tokens at a time; records
+    what it found in `diag`. Returns the chained sequences when the inputs were found and chained,
+    None when the premises do not hold (then the relaxed best effort runs as before).
     """
-    config, layers, diag, update = run.config, run.layers, run.diag, run.update
     inputs, rate, heads = layers.inputs, layers.embedding_dropout, layers.first_heads
     key_block = layers.first.key_value[0] if layers.first.key_value else None
-    if (heads is None or key_block is None or key_block.param_name not in dict(run.target.named_parameters())
+    if (heads is None or key_block is None or key_block.param_name not in dict(target.named_parameters())
             or layers.first.query.param_name not in update):  # e.g. a LoRA client: no query-weight gradient to solve
         return None
-    steps = run.max_length - 1  # a causal model's last position is never an input
     expected = basis1.rank
-    ranked, cut = batch_tokens(basis1, inputs, list(range(steps)), expected, config.vocab_chunk)
+    ranked, cut = batch_tokens(basis1, inputs, list(range(steps)), expected, vocab_chunk)
     pursuit = MaskPursuit(basis1, inputs, max_dropped(basis1.dim, rate))
     info: dict = {"pairs_tested": 0, "second_masks": 0, "max_dropped": pursuit.max_atoms}
     found: list[MaskedInput] = []
@@ -447,7 +461,7 @@ def dropout_attack(run, basis1: SpanBasis):
             done = tested.setdefault(position, set())
             new = torch.tensor([t for t in ranked[:end].tolist() if t not in done], dtype=torch.long)
             if new.numel():
-                here, part = find_masked_inputs(basis1, inputs, new, [position], rate, config.l1_threshold,
+                here, part = find_masked_inputs(basis1, inputs, new, [position], rate, span.l1_threshold,
                                                   pursuit=pursuit)
                 info["pairs_tested"] += part["pairs_tested"]
                 found += here
@@ -455,7 +469,7 @@ def dropout_attack(run, basis1: SpanBasis):
             if not any(m.position == position for m in found):
                 break
         if found and len(found) < expected:
-            info["second_masks"] += _second_masks(basis1, inputs, pursuit, found, expected, rate, config.l1_threshold)
+            info["second_masks"] += _second_masks(basis1, inputs, pursuit, found, expected, rate, span.l1_threshold)
     found.sort(key=lambda m: (m.position, m.token))
     diag.update(dropout_inputs=len(found), dropout_inputs_expected=expected)
     if len(found) < expected / 2:  # the premises do not hold (another kind of noise): leave it to the best effort
@@ -463,7 +477,7 @@ def dropout_attack(run, basis1: SpanBasis):
     vectors = torch.stack([m.vector for m in found])
     query = layers.first.query.input_space(update[layers.first.query.param_name])
     dq, fit = query_gradients(vectors, query)
-    params = dict(run.target.named_parameters())
+    params = dict(target.named_parameters())
     weight = key_block.input_space(params[key_block.param_name].detach().to(vectors))
     bias_name = key_block.param_name.rsplit(".", 1)[0] + (".in_proj_bias" if key_block.param_name.endswith("in_proj_weight") else ".bias")
     bias = params[bias_name].detach().to(vectors)[key_block.start : key_block.stop] if bias_name in params else None
@@ -473,7 +487,7 @@ def dropout_attack(run, basis1: SpanBasis):
     repaired = 0
     for child in [i for i in orphans if found[i].position == 1]:
         plane = first_input_plane(dq[child], keys[child], basis1, weight, bias, heads)
-        item = _identify(basis1, inputs, plane, vectors[child], ranked, rate, config.l1_threshold)
+        item = _identify(basis1, inputs, plane, vectors[child], ranked, rate, span.l1_threshold)
         if item is not None and all(float((m.vector - item.vector).norm() / item.vector.norm()) > 1e-3
                                     for m in found if m.position == 0):
             found.append(item)
@@ -493,19 +507,16 @@ def dropout_attack(run, basis1: SpanBasis):
     )
     if not seqs:
         return None
-    flags = run.flags = []  # the strict attempt's flags describe a test that cannot pass under dropout
+    flags: list[str] = []  # the strict attempt's flags describe a test that cannot pass under dropout
     flags += notes
     if len(found) != expected:
         flags.append(f"found {len(found)} masked inputs for a first-layer rank of {expected}")
-    if fit > config.coverage_tol:
+    if fit > span.coverage_tol:
         flags.append(f"the recovered inputs leave {fit:.1e} of the query gradient unexplained")
-    loose = [w for w in worst if w > config.l2_threshold]
+    loose = [w for w in worst if w > span.l2_threshold]
     if loose:
-        flags.append(f"{len(loose)} sequences have a link above {config.l2_threshold:.0e} (worst {max(loose):.1e})")
-    if run.batch_size is not None and len(seqs) != run.batch_size:
-        flags.append(f"chained {len(seqs)} sequences for a batch of {run.batch_size}")
+        flags.append(f"{len(loose)} sequences have a link above {span.l2_threshold:.0e} (worst {max(loose):.1e})")
+    if batch_size is not None and len(seqs) != batch_size:
+        flags.append(f"chained {len(seqs)} sequences for a batch of {batch_size}")
     diag["dropout_inputs_certified"] = not flags
-    seqs, last_ok = recover_last_tokens(run, seqs)
-    diag["flags"] = flags
-    exact = bool(seqs) and all(last_ok) and not flags
-    return DagerResult(seqs, exact, list(last_ok) if not flags else [False] * len(seqs), worst, diag)
+    return DropoutChains(seqs, worst, flags)

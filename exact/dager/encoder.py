@@ -12,30 +12,29 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from exact.dager.probe import _ResidualSpan, _SecondLayer
-
-if TYPE_CHECKING:
-    from exact.dager.attack import Dager
+from exact.dager.options import EncoderOptions
+from exact.dager.probe import SecondLayerProbe, _ResidualSpan
 
 
 class EncoderSearch:
     """One update's bidirectional search, with its token budget.
 
-    `spent` counts the tokens run through block 1 by this search (bounded by the attack's
-    `encoder_token_budget`); `exhausted` records that some part of the search stopped at its budget.
+    A sequence passes below `l2_threshold`. `spent` counts the tokens run through block 1 by this
+    search (bounded by `options.token_budget`); `exhausted` records that some part of the search
+    stopped at its budget.
     """
 
-    def __init__(self, config: Dager) -> None:
-        self.config = config
+    def __init__(self, options: EncoderOptions, l2_threshold: float) -> None:
+        self.options = options
+        self.l2_threshold = l2_threshold
         self.spent = 0
         self.exhausted = False
 
-    def search(self, probe: _SecondLayer, candidates: list[Tensor], batch_size: int | None):
+    def search(self, probe: SecondLayerProbe, candidates: list[Tensor], batch_size: int | None):
         """Sequences over per-position candidates, scored by their largest second-layer distance.
 
         Sequences end where the end-of-sequence token passes (one group per length; without an
@@ -47,10 +46,10 @@ class EncoderSearch:
         ("peeling"): the groups still without one are searched again against the part of the
         second-layer span that the sequences found so far do not explain, so that a search can no
         longer settle on copies of what was already found. Every pass stops once `batch_size`
-        sequences pass (the certificate, `_DagerRun._select`, then checks that they explain both gradients).
+        sequences pass (the certificate, `DagerRun._select`, then checks that they explain both gradients).
         """
-        config = self.config
-        eos, threshold, budget = config.eos_token_id, config.l2_threshold, config.encoder_token_budget
+        options = self.options
+        eos, threshold, budget = options.eos_token_id, self.l2_threshold, options.token_budget
         lengths = [len(candidates)]
         if eos is not None:
             ends = [p + 1 for p, c in enumerate(candidates) if (c == eos).any()]
@@ -76,12 +75,12 @@ class EncoderSearch:
             passing = sum(1 for sc in found.values() if sc < threshold)
             return batch_size is not None and passing >= batch_size
 
-        small = [math.prod(c.numel() for c in cands) <= config.encoder_max_combinations for cands in groups]
+        small = [math.prod(c.numel() for c in cands) <= options.max_combinations for cands in groups]
         for i, cands in enumerate(groups):  # exhaustive where small
             if small[i]:
                 merge(i, *self.search_length(probe, cands, want, budget))
         # Beam search of every other group: narrow first (cheap; usually enough), then full width.
-        widths = sorted({max(1, config.encoder_beam // 4), config.encoder_beam}) if config.encoder_beam > 0 else []
+        widths = sorted({max(1, options.beam // 4), options.beam}) if options.beam > 0 else []
         for w, width in enumerate(widths):
             beam_budget = budget * (w + 1) // (2 * len(widths))
             todo = [i for i in range(len(groups)) if not small[i] and not satisfied[i]]
@@ -107,7 +106,7 @@ class EncoderSearch:
             residual = _ResidualSpan(probe, passing)
             if residual.rank == 0:
                 continue
-            peeled = _SecondLayer(probe.target, probe.layers, residual, probe.token_budget)
+            peeled = SecondLayerProbe(probe.target, probe.layers, residual, probe.token_budget)
             remaining = [j for j in range(len(groups)) if not satisfied[j] and j >= i]
             share = (budget - self.spent) // max(1, len(remaining))
             seqs, _ = self.coordinate_descent(peeled, cands, want, limit=self.spent + share)
@@ -120,12 +119,12 @@ class EncoderSearch:
         ranked = sorted(found.items(), key=lambda item: item[1])
         return [list(s) for s, _ in ranked], [sc for _, sc in ranked]
 
-    def search_length(self, probe: _SecondLayer, cands: list[Tensor], want: int, limit: int, initial=None):
-        """One length group: every combination when there are at most `encoder_max_combinations`,
+    def search_length(self, probe: SecondLayerProbe, cands: list[Tensor], want: int, limit: int, initial=None):
+        """One length group: every combination when there are at most `options.max_combinations`,
         otherwise coordinate descent (seeded by the sequences `initial`)."""
         sizes = [c.numel() for c in cands]
         total = math.prod(sizes)
-        if total <= self.config.encoder_max_combinations:
+        if total <= self.options.max_combinations:
             grid = torch.tensor(list(itertools.product(*[range(k) for k in sizes])), dtype=torch.long)
             if grid.dim() == 1:
                 grid = grid[:, None]
@@ -137,7 +136,7 @@ class EncoderSearch:
             return [seqs[i].tolist() for i in order], [float(score[i]) for i in order]
         return self.coordinate_descent(probe, cands, want, limit=limit, initial=initial)
 
-    def prefix_beam(self, probe: _SecondLayer, cands: list[Tensor], want: int, limit: int, width: int | None = None):
+    def prefix_beam(self, probe: SecondLayerProbe, cands: list[Tensor], want: int, limit: int, width: int | None = None):
         """Left-to-right beam search over per-position candidates, for bidirectional models.
 
         A bidirectional model's second-layer input depends on the whole sequence, so a prefix cannot
@@ -145,18 +144,18 @@ class EncoderSearch:
         when there is one) already puts the right token's second-layer input much closer to the span
         than a wrong one's (pretrained MiniLM: ~0.1 against 0.2-0.3): each prefix is extended by every
         candidate of the next position, the extensions are ranked by the mean second-layer distance
-        over their positions, and the `width` (default `encoder_beam`) best are kept. The complete
+        over their positions, and the `width` (default `options.beam`) best are kept. The complete
         sequences are then scored exactly (largest second-layer distance of the full sequence); only
         these exact scores decide what passes, so the heuristic ranking can cost recall, never
         correctness.
         """
         length = len(cands)
-        eos = self.config.eos_token_id
+        eos = self.options.eos_token_id
         closing = eos is not None and int(cands[-1].numel()) == 1 and int(cands[-1][0]) == eos
         # Tokens run per unit of width (every step runs width x candidates sequences of length p + 2):
         # the width shrinks to fit the budget, down to 2 * want; below that the beam is skipped.
         per_width = sum(int(c.numel()) * (p + 2) for p, c in enumerate(cands)) + length
-        width = self.config.encoder_beam if width is None else width
+        width = self.options.beam if width is None else width
         width = min(max(width, 2 * (want or 1)), max(0, limit - self.spent) // per_width)
         if width < 2 * (want or 1):
             self.exhausted = True
@@ -184,7 +183,7 @@ class EncoderSearch:
         return [prefixes[i].tolist() for i in order], [float(exact[i]) for i in order]
 
     def coordinate_descent(
-        self, probe: _SecondLayer, cands: list[Tensor], want: int | None, prior: list[Tensor] | None = None,
+        self, probe: SecondLayerProbe, cands: list[Tensor], want: int | None, prior: list[Tensor] | None = None,
         limit: int | None = None, rounds: int = 256, initial: list[list[int]] | None = None,
     ):
         """Bounded search: rounds of restarted coordinate descent on the mean second-layer distance
@@ -193,16 +192,16 @@ class EncoderSearch:
         Each sweep visits every position and, for every restart whose second-layer input there is not
         yet in the span, tries all candidates of that position with the other positions held fixed.
         Restarts begin from random candidates, avoiding the tokens of sequences already found. Rounds
-        continue until `want` sequences pass or `limit` tokens (default: the attack's
-        `encoder_token_budget`) have been run through block 1 by the search.
+        continue until `want` sequences pass or `limit` tokens (default: `options.token_budget`) have
+        been run through block 1 by the search.
         """
-        config = self.config
-        gen = torch.Generator().manual_seed(config.seed)
+        options = self.options
+        gen = torch.Generator().manual_seed(options.seed)
         length = len(cands)
         sizes = torch.tensor([c.numel() for c in cands])
         want = want or 1
-        limit = config.encoder_token_budget if limit is None else min(limit, config.encoder_token_budget)
-        restarts = config.encoder_restarts or want + 3
+        limit = options.token_budget if limit is None else min(limit, options.token_budget)
+        restarts = options.restarts or want + 3
         table = torch.full((length, int(sizes.max())), -1, dtype=torch.long)
         first = torch.zeros(length, int(sizes.max()), dtype=probe.basis.u.dtype)
         for p, c in enumerate(cands):
@@ -232,7 +231,7 @@ class EncoderSearch:
                 break
             used = torch.zeros(length, int(sizes.max()), dtype=torch.bool)  # tokens of found sequences
             for seq, worst in found.items():
-                if worst < config.l2_threshold:
+                if worst < self.l2_threshold:
                     used[positions, [int((table[p] == t).nonzero()[0]) for p, t in enumerate(seq)]] = True
             weights = (~used[:, : int(sizes.max())]).float() * (torch.arange(int(sizes.max()))[None] < sizes[:, None])
             weights[weights.sum(1) == 0] = (torch.arange(int(sizes.max()))[None] < sizes[weights.sum(1) == 0, None]).float()
@@ -246,11 +245,11 @@ class EncoderSearch:
                 if seeds:
                     picks[: len(seeds)] = torch.tensor(seeds, dtype=torch.long)
             current, per_position = evaluate(picks)
-            for _ in range(config.encoder_max_sweeps):
+            for _ in range(options.max_sweeps):
                 changed = False
                 for p in range(length):
                     k = int(sizes[p])
-                    active = torch.nonzero(per_position[:, p] >= config.l2_threshold).flatten()
+                    active = torch.nonzero(per_position[:, p] >= self.l2_threshold).flatten()
                     if k == 1 or active.numel() == 0:
                         continue
                     if not affordable(active.numel() * k):
@@ -275,7 +274,7 @@ class EncoderSearch:
             for seq, w in zip(seqs.tolist(), worst.tolist()):
                 key = tuple(seq)
                 found[key] = min(w, found.get(key, math.inf))
-            passing = sum(1 for w in found.values() if w < config.l2_threshold)
+            passing = sum(1 for w in found.values() if w < self.l2_threshold)
             if passing >= want or exhausted or _round + 1 >= rounds:
                 break
         ranked = sorted(found.items(), key=lambda item: item[1])

@@ -11,18 +11,20 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from exact.dager.options import CausalOptions
 from exact.dager.span import _TINY, _matching_pursuit
-
-if TYPE_CHECKING:
-    from exact.dager.run import _DagerRun
+from exact.layers import DagerLayers, FinalNorm
 
 
-def recover_last_tokens(run: _DagerRun, seqs: list[list[int]]) -> tuple[list[list[int]], list[bool]]:
+def recover_last_tokens(
+    seqs: list[list[int]], target: nn.Module, layers: DagerLayers, update: Mapping[str, Tensor],
+    batch_size: int | None, options: CausalOptions, dtype: torch.dtype, probe_tokens: int, flags: list[str],
+) -> tuple[list[list[int]], list[bool], float | None]:
     """Append each sequence's final token, recovered from the final-norm gradient.
 
     With next_token_loss, sequence b (T_b visible tokens) adds coef_b = 1 / (m T_b) times
@@ -33,29 +35,29 @@ def recover_last_tokens(run: _DagerRun, seqs: list[list[int]]) -> tuple[list[lis
     -coef_b [x-hat_b * W[t] ; W[t]]. Greedy matching picks one token per sequence, then pairwise
     swaps and single re-picks reduce the residual; a residual near zero certifies the tokens.
 
-    Returns the sequences with their last token and whether each is certified; the relative
-    residual goes into `run.diag`, what prevents a certificate into `run.flags`.
+    `target` (with its `layers`) is run on the recovered prefixes, `probe_tokens` tokens at a time,
+    in `dtype`; `batch_size` (None: the sequences found) gives each sequence's share of the mean.
+    Returns the sequences with their last token, whether each is certified, and the relative
+    residual (None when not computed); what prevents a certificate is added to `flags`.
     """
-    config, update, flags = run.config, run.update, run.flags
-    norm = run.layers.final_norm
+    norm = layers.final_norm
     ok = [False] * len(seqs)
-    if not config.recover_last_token:
+    if not options.recover_last_token:
         flags.append("last tokens not recovered (recover_last_token=False)")
-        return seqs, ok
+        return seqs, ok, None
     if norm is None:
         flags.append("last tokens not recovered: no final normalisation feeding the head was found")
-        return seqs, ok
+        return seqs, ok, None
     names = [n for n in (norm.weight_name, norm.bias_name) if n is not None and n in update]
     if not names or not seqs:
         flags.append("last tokens not recovered: the final normalisation's gradient is not observed")
-        return seqs, ok
-    dtype = config.dtype
-    device = run.layers.inputs.embedding.device
+        return seqs, ok, None
+    device = layers.inputs.embedding.device
     head = norm.head_weight.detach().to(device, dtype)  # (V, d)
-    count = run.batch_size or len(seqs)
+    count = batch_size or len(seqs)
     use_w, use_b = norm.weight_name in names, norm.bias_name in names
     coef = torch.tensor([1.0 / (count * len(s)) for s in seqs], dtype=dtype, device=device)
-    known_w, known_b, last_hat = _known_part(run, seqs, head, coef)
+    known_w, known_b, last_hat = _known_part(target, norm, seqs, head, coef, probe_tokens)
     observed_w = update[norm.weight_name].detach().to(device, dtype) if use_w else None
     observed_b = update[norm.bias_name].detach().to(device, dtype) if use_b else None
     observed_norm = math.sqrt(sum(float(g.pow(2).sum()) for g in (observed_w, observed_b) if g is not None))
@@ -63,25 +65,24 @@ def recover_last_tokens(run: _DagerRun, seqs: list[list[int]]) -> tuple[list[lis
     z_w = known_w - observed_w if use_w else torch.zeros_like(known_w)
     z_b = known_b - observed_b if use_b else torch.zeros_like(known_b)
     system = _LabelSystem(head, coef, last_hat, z_w, z_b, use_w, use_b)
-    chosen, r_w, r_b = system.solve((config.last_token_tol * observed_norm) ** 2 * 1e-4)
+    chosen, r_w, r_b = system.solve((options.last_token_tol * observed_norm) ** 2 * 1e-4)
     relative = math.sqrt(system.residual2(r_w, r_b)) / max(observed_norm, _TINY)
-    run.diag["last_token_residual"] = relative
-    exact = relative < config.last_token_tol
+    exact = relative < options.last_token_tol
     if not exact:
-        flags.append(f"last-token residual {relative:.2e} >= {config.last_token_tol:.0e}")
-    return [seq + [chosen[i]] for i, seq in enumerate(seqs)], [exact] * len(seqs)
+        flags.append(f"last-token residual {relative:.2e} >= {options.last_token_tol:.0e}")
+    return [seq + [chosen[i]] for i, seq in enumerate(seqs)], [exact] * len(seqs), relative
 
 
-def _known_part(run: _DagerRun, seqs: list[list[int]], head: Tensor, coef: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _known_part(target: nn.Module, norm: FinalNorm, seqs: list[list[int]], head: Tensor, coef: Tensor,
+                probe_tokens: int) -> tuple[Tensor, Tensor, Tensor]:
     """The final norm's weight and bias gradients with every label but the last of each sequence
     (the model run on the recovered prefixes), and the normalised input x-hat at each last position."""
-    target, norm = run.target, run.layers.final_norm
     dtype, device = head.dtype, head.device
     known_w = torch.zeros(head.shape[1], dtype=dtype, device=device)
     known_b = torch.zeros_like(known_w)
     last_hat = torch.empty(len(seqs), head.shape[1], dtype=dtype, device=device)
     width = max(len(s) for s in seqs)
-    rows = max(1, run.config.token_budget // width)
+    rows = max(1, probe_tokens // width)
     for start in range(0, len(seqs), rows):
         group = seqs[start : start + rows]
         ids = torch.zeros(len(group), width, dtype=torch.long, device=device)

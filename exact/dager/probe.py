@@ -2,7 +2,7 @@
 
 A candidate sequence passes the second-layer test when the input of the second attention layer at
 every position (computed by running the model's first block on the sequence) lies in the span of
-that layer's gradient (`l2_threshold`). `_SecondLayer` computes those inputs in batches and their
+that layer's gradient (`l2_threshold`). `SecondLayerProbe` computes those inputs in batches and their
 distances; `_ResidualSpan` is the part of the span that some sequences do not explain (the
 encoder search's "peeling"); `_PrefixCache` runs the causal prefix search one token per step with
 a Hugging Face key/value cache of layer 0.
@@ -58,7 +58,7 @@ def shifted(pairs: Sequence[tuple[nn.Parameter, Tensor]], step: float) -> Iterat
                 p.copy_(original)
 
 
-class _SecondLayer:
+class SecondLayerProbe:
     """Second-layer inputs of candidate sequences, and their distances to the second span."""
 
     def __init__(self, target: nn.Module, layers: DagerLayers, basis: SpanBasis, token_budget: int,
@@ -133,6 +133,10 @@ class _SecondLayer:
         return out
 
 
+#: The name the diagnostics scripts in benchmarks/ import (to be replaced there by `SecondLayerProbe`).
+_SecondLayer = SecondLayerProbe
+
+
 class _ResidualSpan:
     """The part of the second-layer span not explained by some sequences' second-layer inputs.
 
@@ -140,7 +144,7 @@ class _ResidualSpan:
     v, to the projected span; inputs of the known sequences themselves score 1 (nothing new).
     """
 
-    def __init__(self, probe: _SecondLayer, sequences: list[list[int]]) -> None:
+    def __init__(self, probe: SecondLayerProbe, sequences: list[list[int]]) -> None:
         basis = probe.basis
         self.u = basis.u  # dtype/device, as SpanBasis
         dtype = basis.u.dtype
@@ -173,7 +177,7 @@ class _PrefixCache:
     reused by all its extensions; a step runs one token per candidate instead of the whole prefix.
     """
 
-    def __init__(self, probe: _SecondLayer, base_model: nn.Module) -> None:
+    def __init__(self, probe: SecondLayerProbe, base_model: nn.Module) -> None:
         from transformers import DynamicCache
 
         self.probe = probe

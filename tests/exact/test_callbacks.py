@@ -112,9 +112,9 @@ def test_fedavg_updates_are_attacked_as_pseudo_gradients_with_looser_thresholds(
 
     callback = DagerCallback(attack=Dager(), log_samples=False)
     loosened = callback._attack_for(pipeline)
-    assert (loosened.l1_threshold, loosened.l2_threshold) == (1e-2, 1e-2)
-    assert callback.attack.l1_threshold == 1e-3  # the configured attack is not modified
-    assert DagerCallback(multi_step_threshold=None)._attack_for(pipeline).l1_threshold == 1e-3
+    assert (loosened.options.span.l1_threshold, loosened.options.span.l2_threshold) == (1e-2, 1e-2)
+    assert callback.attack.options.span.l1_threshold == 1e-3  # the configured attack is not modified
+    assert DagerCallback(multi_step_threshold=None)._attack_for(pipeline).options.span.l1_threshold == 1e-3
     assert callback._trajectory(pipeline) == pytest.approx((0.0, 0.01, 0.02, 0.03))  # t * lr, t < 4 steps
     assert DagerCallback(follow_trajectory=False)._trajectory(pipeline) == ()
     module = Recorder()

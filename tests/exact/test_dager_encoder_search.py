@@ -9,8 +9,9 @@ from datamodules.federated import FedSGDClient, NoDefense, ParameterSelection, U
 from datamodules.federated.hashing import Hashing
 from datamodules.targets import HFEncoderLM
 from exact import Dager, find_layers, span_basis
+from exact.dager import EncoderOptions
 from exact.dager.encoder import EncoderSearch
-from exact.dager.probe import _SecondLayer
+from exact.dager.probe import SecondLayerProbe
 
 VOCAB, EOS, CLS = 300, 2, 1
 
@@ -59,7 +60,7 @@ def test_encoder_beam_search_recovers_repetitive_batch(lengths, words):
     ids, mask = repetitive_batch(lengths, seed=sum(lengths), words=words)
     update = client_update(target, ids, mask)
     # A tiny exhaustive limit forces the bounded search.
-    attack = Dager(eos_token_id=EOS, encoder_max_combinations=4, encoder_token_budget=300_000)
+    attack = Dager(encoder=EncoderOptions(eos_token_id=EOS, max_combinations=4, token_budget=300_000))
     result = attack.attack(target, update, batch_size=2, max_length=ids.shape[1])
     cands = result.diagnostics["candidates_per_position"]
     assert sum(c > 1 for c in cands) >= 4, cands  # the search had real choices to make
@@ -76,13 +77,14 @@ def test_prefix_beam_scores_match_per_sequence_reference():
     layers = find_layers(target)
     basis2 = span_basis(layers.second.input_space(update, "qkv"), 1e-6)
     basis2 = basis2.with_rank(basis2.numerical_rank)
-    probe = _SecondLayer(target, layers, basis2, token_budget=64)
+    probe = SecondLayerProbe(target, layers, basis2, token_budget=64)
     gen = torch.Generator().manual_seed(0)
     cands = [torch.tensor([CLS])] + [torch.randperm(VOCAB, generator=gen)[:3] for _ in range(7)] + [torch.tensor([EOS])]
     cands[3] = torch.cat([cands[3], ids[0, 3:4]])
-    attack = Dager(eos_token_id=EOS, encoder_beam=5)
+    attack = Dager(encoder=EncoderOptions(eos_token_id=EOS, beam=5))
     with torch.no_grad():
-        seqs, scores = EncoderSearch(attack).prefix_beam(probe, cands, want=1, limit=10**9)
+        search = EncoderSearch(attack.options.encoder, attack.options.span.l2_threshold)
+        seqs, scores = search.prefix_beam(probe, cands, want=1, limit=10**9)
         assert 1 <= len(seqs) <= 5 and scores == sorted(scores)
         for seq, score in zip(seqs, scores):
             assert all(int(t) in c.tolist() for t, c in zip(seq, cands))
@@ -101,7 +103,7 @@ def test_prefix_beam_scores_match_per_sequence_reference():
 def test_encoder_search_without_beam_still_available():
     target = encoder()
     ids, mask = repetitive_batch([8, 6], seed=11, words=20)
-    result = Dager(eos_token_id=EOS, encoder_beam=0, encoder_token_budget=300_000).attack(
+    result = Dager(encoder=EncoderOptions(eos_token_id=EOS, beam=0, token_budget=300_000)).attack(
         target, client_update(target, ids, mask), batch_size=2, max_length=ids.shape[1]
     )
     assert sorted(result.sequences) == sorted(truth(ids, mask)) and result.exact
@@ -126,7 +128,7 @@ def test_pretrained_minilm_two_sentences_if_installed():
     mask = torch.zeros(2, width, dtype=torch.long)
     for i, s in enumerate(seqs):
         ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), 1
-    result = Dager(eos_token_id=tok.sep_token_id).attack(
+    result = Dager(encoder=EncoderOptions(eos_token_id=tok.sep_token_id)).attack(
         target, client_update(target, ids, mask), batch_size=2, max_length=32
     )
     assert max(result.diagnostics["candidates_per_position"]) >= 8
@@ -143,7 +145,7 @@ def test_a_first_layer_blind_to_positions_is_named_as_the_reason():
     target = encoder()
     ids, mask = repetitive_batch([16, 16, 16], seed=0, words=20)  # 48 pairs > 20 words + 16 positions + 2
     distinct = int(ids[:, 1:-1].unique().numel())
-    result = Dager(eos_token_id=EOS, encoder_token_budget=5_000).attack(
+    result = Dager(encoder=EncoderOptions(eos_token_id=EOS, token_budget=5_000)).attack(
         target, client_update(target, ids, mask), batch_size=3, max_length=16)
     diag = result.diagnostics
     cands = diag["candidates_per_position"]

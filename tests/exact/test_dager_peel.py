@@ -15,6 +15,7 @@ from datamodules.federated import FedAvgClient, FedSGDClient, NoDefense, Paramet
 from datamodules.federated.defenses import GaussianNoise
 from datamodules.federated.hashing import Hashing
 from exact import Dager, find_layers
+from exact.dager import EncoderOptions
 from exact.dager.peel import peel
 from exact.dager.result import DagerResult
 
@@ -130,7 +131,7 @@ def test_peeling_certifies_what_one_round_of_a_blind_encoder_search_cannot():
     observed = ParameterSelection(include=find_layers(target).observed_names())
     pipeline = UpdatePipeline(target, FedSGDClient(mode="eval", samples_per_update=len(truth)), NoDefense(), observed,
                               hashing=Hashing(bins=1))
-    attack = Dager(eos_token_id=EOS, encoder_token_budget=200_000)
+    attack = Dager(encoder=EncoderOptions(eos_token_id=EOS, token_budget=200_000))
     once = attack.attack(target, update, batch_size=len(truth), max_length=ids.shape[1])
     assert 0 < sum(once.sequence_exact) < len(truth)
     peeled = attack.attack(target, update, batch_size=len(truth), max_length=ids.shape[1],
@@ -142,7 +143,7 @@ def test_peeling_certifies_what_one_round_of_a_blind_encoder_search_cannot():
     assert peeled.diagnostics["rank2_left"] == 0
     ranks = [r["rank2_before"] for r in peeled.diagnostics["peel_rounds"]]
     assert ranks == sorted(ranks, reverse=True)
-    off = attack.with_options(peel=False).attack(target, update, batch_size=len(truth), max_length=ids.shape[1],
+    off = attack.with_options(extensions={"peel": False}).attack(target, update, batch_size=len(truth), max_length=ids.shape[1],
                                                  sequence_update=pipeline.sequence_update)
     assert off.sequence_exact == once.sequence_exact and "peel_rounds" not in off.diagnostics
 
@@ -158,7 +159,7 @@ def test_peeling_withdraws_a_false_certificate_of_a_small_encoder():
     update = client_update(target, ids, mask)
     pipeline = UpdatePipeline(target, FedSGDClient(mode="eval", samples_per_update=6), NoDefense(),
                               ParameterSelection(include=find_layers(target).observed_names()), hashing=Hashing(bins=1))
-    attack = Dager(eos_token_id=EOS, encoder_token_budget=200_000)
+    attack = Dager(encoder=EncoderOptions(eos_token_id=EOS, token_budget=200_000))
     once = attack.attack(target, update, batch_size=6, max_length=ids.shape[1])
     assert any(c and s not in truth for s, c in zip(once.sequences, once.sequence_exact))  # today's false claim
     peeled = attack.attack(target, update, batch_size=6, max_length=ids.shape[1], sequence_update=pipeline.sequence_update)

@@ -11,6 +11,7 @@ from datamodules.federated.hashing import Hashing
 from datamodules.targets import HFEncoderLM
 from datamodules.targets.base import next_token_loss
 from exact import Dager, find_layers
+from exact.dager import EncoderOptions
 from exact.dager.position_split import split_first_layer, split_rows
 from exact.layers import find_module_by_name
 
@@ -156,7 +157,7 @@ def test_blind_encoder_search_uses_the_split_and_fills_the_batch():
     ids, mask = planted([12, 11, 10, 9], seed=3, words=30)
     update = client_update(target, ids, mask)
     truth = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
-    attack = Dager(eos_token_id=EOS, encoder_token_budget=200_000)
+    attack = Dager(encoder=EncoderOptions(eos_token_id=EOS, token_budget=200_000))
     result = attack.attack(target, update, batch_size=4, max_length=ids.shape[1])
     diag = result.diagnostics
     assert "position_split" in diag
@@ -170,7 +171,7 @@ def test_blind_encoder_search_uses_the_split_and_fills_the_batch():
         assert any("distinct sequences for a batch of 4" in f for f in diag["flags"]), diag["flags"]
         # the fill ranks by the split and searches twice the batch size of candidates per position
         assert max(diag["relaxed_candidates_per_position"]) == 8, diag["relaxed_candidates_per_position"]
-    plain = attack.with_options(split_positions=False).attack(target, update, batch_size=4, max_length=ids.shape[1])
+    plain = attack.with_options(encoder={"split_positions": False}).attack(target, update, batch_size=4, max_length=ids.shape[1])
     assert "position_split" not in plain.diagnostics
 
 
@@ -197,8 +198,8 @@ def test_focused_candidates_keep_the_pins_then_the_best_fits():
 
 def test_split_width_must_be_positive():
     with pytest.raises(ValueError, match="split_width"):
-        Dager(split_width=0)
-    assert Dager(split_width=None).split_width is None
+        EncoderOptions(split_width=0)
+    assert Dager(encoder=EncoderOptions(split_width=None)).options.encoder.split_width is None
 
 
 def test_echoes_put_an_over_subtracted_pin_back_where_its_rest_shows():
