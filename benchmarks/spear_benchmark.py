@@ -41,7 +41,7 @@ from datamodules.federated import (  # noqa: E402
     ParameterSelection,
     UpdatePipeline,
 )
-from exact.spear import Spear, relu_linear_layer  # noqa: E402
+from exact.spear import Sampling, SearchBudget, Spear, relu_linear_layer  # noqa: E402
 
 
 def layer_inputs(model, layer, model_input):
@@ -185,7 +185,7 @@ def main(argv=None):
                         help="arithmetic of the FedAvg clients' local training")
     parser.add_argument("--out", type=Path, default=None, help="append a markdown table here")
     args = parser.parse_args(argv)
-    attack = Spear(max_samples=args.max_samples, max_seconds=args.max_seconds, seed=args.seed)
+    attack = Spear(SearchBudget(max_samples=args.max_samples, max_seconds=args.max_seconds), Sampling(seed=args.seed))
     rows, skipped = [], []
     for spec in args.rows:
         name, _, size = spec.partition(":")

@@ -41,14 +41,20 @@ budget) never raise: a best-effort result is returned with `exact=False` and the
 
 Modules, by step: `layer` (find the attacked Linear by name), `sampling` (steps 3-4: kernels, the
 sparsity filter, refinement, the pivotal pool), `prior` (prior-guided directions from plausible
-layer inputs), `selection` (step 5: selection, swap search, scale and the certificate), `attack`
-(the `Spear` configuration and `SpearRun`, one attack call from factorisation to result).
+layer inputs), `selection` (step 5: selection, swap search, scale and the certificate), `options`
+(the option groups: `SearchBudget`, `Sampling`, `Tolerances`, `Selection`, `PriorGuidance`), `attack`
+(the `Spear` configuration and `SpearRun`, one attack call from factorisation to result, which hands
+each step the options and search state it needs).
 
 Plain PyTorch: this package never imports Lightning.
 """
 
 from exact.spear.attack import Spear, SpearResult
 from exact.spear.layer import ReluLinear, relu_linear_layer
+from exact.spear.options import PriorGuidance, Sampling, SearchBudget, Selection, SpearOptions, Tolerances
 from exact.spear.selection import sparsity_agreement
 
-__all__ = ["ReluLinear", "Spear", "SpearResult", "relu_linear_layer", "sparsity_agreement"]
+__all__ = [
+    "PriorGuidance", "ReluLinear", "Sampling", "SearchBudget", "Selection", "Spear", "SpearOptions", "SpearResult",
+    "Tolerances", "relu_linear_layer", "sparsity_agreement",
+]

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from exact.spear.options import PriorGuidance, Sampling, SearchBudget, Selection, SpearOptions, Tolerances
 from exact.spear.prior import guided
 from exact.spear.sampling import SearchState, sample_randomly
 from exact.spear.selection import Candidate, Selector, greedy_independent
@@ -49,95 +50,34 @@ class Spear:
 
     def __init__(
         self,
-        tau: float = 0.1,
-        max_samples: int = 4_000_000,
-        max_seconds: float | None = None,
-        batch_samples: int = 4096,
-        seed: int = 0,
-        rank_tol: float = 1e-6,
-        zero_tol: float | None = None,
-        dead_tol: float | None = None,
-        prefilter_rows: int = 128,
-        screen_factor: float = 1.0,
-        line_search: bool = False,
-        max_swaps: int = 1024,
-        max_pivotal: int = 64,
-        prior_rows: tuple[float, ...] = (1.25, 2.0),
-        prior_rounds: int = 4,
-        max_prior: int = 4096,
-        sweep_dims: int = 3,
+        budget: SearchBudget = SearchBudget(),
+        sampling: Sampling = Sampling(),
+        tolerances: Tolerances = Tolerances(),
+        selection: Selection = Selection(),
+        guidance: PriorGuidance = PriorGuidance(),
         device: str | torch.device = "cpu",
         dtype: str = "float64",
     ) -> None:
         """
         Args:
-            tau: A direction q is a candidate when L q has at least tau * (live rows) zeros (and at least b).
-            max_samples: Budget of (b-1)-row submatrices drawn per attack; exhausting it is flagged.
-            max_seconds: Optional wall-clock budget per attack (None: only `max_samples` bounds it).
-            batch_samples: Submatrices sampled and solved at once per iteration (vectorised).
-            seed: Seed of the sampler (results are deterministic for a given seed and device).
-            rank_tol: Numerical rank = singular values above rank_tol * the largest (used when the batch
-                size is not given, and reported always).
-            zero_tol: (L q)_i counts as zero when |L_i q| <= zero_tol * ||L_i|| * ||q||. None: 1e-9 for
-                float64 gradients, 1e-6 for lower precision (float32 rounding of dL/dW is ~1e-8; float64
-                gradients whose values are all float32-representable count as float32).
-            dead_tol: Rows of L with norm <= dead_tol * the largest row norm are dead neurons. None: 1e-12
-                for float64 gradients, 1e-6 for lower precision.
-            prefilter_rows: Random live rows on which every kernel is screened before the full test
-                (0 disables the pre-filter).
-            line_search: Draw b-2 rows and find the densest line of L K in their 2-D kernel K (one row fewer
-                per draw; see `exact.spear.sampling.line_kernels`) instead of the paper's (b-1)-row kernels.
-            screen_factor: Sampled kernels are screened with tolerance screen_factor * zero_tol (they can be
-                ill-conditioned); candidates are refined and then counted with zero_tol. 1 = one tolerance.
-            max_swaps: Certificate evaluations of single-candidate swaps when the greedy selection is not
-                certified (1/16 of this while sampling, all of it for the final selection).
-            max_pivotal: "Pivotal" candidates (a zero set that needs one particular row for its rank: usually
-                the intersection of two columns' zero sets plus one row, a mixture of two columns) are
-                only a fallback for the selection, after all others; at most this many, the sparsest.
-            prior_rows: With a prior (see `attack`): each guess names its k most inactive neurons, for k = each of
-                these multiples of b (at least b - 1); their least-squares kernel is a candidate.
-            prior_rounds: Rounds of prior guesses; each round projects the guesses on the complement of the
-                directions found so far (a round that finds nothing ends the prior phase).
-            max_prior: Use at most this many prior inputs (a seeded random subset of larger priors).
-            sweep_dims: When at most this many columns are left, the prior rounds also sweep the subspace
-                their p_j lie in (see `exact.spear.prior.sweep`); 0 disables the sweep.
+            budget: How long one attack searches (submatrices drawn, seconds).
+            sampling: Which sampled directions become candidates (sparsity tau, seed, pre-filter).
+            tolerances: What counts as rank, as zero and as a dead neuron.
+            selection: How the b directions are chosen among the candidates.
+            guidance: How plausible layer inputs (`attack(prior=...)`) guide the search.
             device: Device of the computation.
             dtype: "float64" (default) or "float32".
         """
-        if not 0.0 < tau < 1.0:
-            raise ValueError(f"tau={tau} must be in (0, 1)")
-        if max_samples < 1 or batch_samples < 1:
-            raise ValueError("max_samples and batch_samples must be >= 1")
         if dtype not in _DTYPES:
             raise ValueError(f"dtype {dtype!r} not allowed; use one of {sorted(_DTYPES)}")
-        if rank_tol <= 0:
-            raise ValueError(f"rank_tol={rank_tol} must be > 0")
-        if not prior_rows or any(f <= 0 for f in prior_rows) or prior_rounds < 0 or max_prior < 1 or sweep_dims < 0:
-            raise ValueError(f"prior_rows={prior_rows} must be positive multiples of b, prior_rounds={prior_rounds} "
-                             f">= 0, max_prior={max_prior} >= 1")
-        self.tau = float(tau)
-        self.max_samples = int(max_samples)
-        self.max_seconds = max_seconds
-        self.batch_samples = int(batch_samples)
-        self.seed = int(seed)
-        self.rank_tol = float(rank_tol)
-        self.zero_tol = zero_tol
-        self.dead_tol = dead_tol
-        self.prefilter_rows = int(prefilter_rows)
-        self.screen_factor = float(screen_factor)
-        self.line_search = bool(line_search)
-        self.max_swaps = int(max_swaps)
-        self.max_pivotal = int(max_pivotal)
-        self.prior_rows = tuple(float(f) for f in prior_rows)
-        self.prior_rounds = int(prior_rounds)
-        self.max_prior = int(max_prior)
-        self.sweep_dims = int(sweep_dims)
-        self.device = torch.device(device)
-        self.dtype = _DTYPES[dtype]
+        #: Every option, by group (exact.spear.options); what each run of this attack reads.
+        self.options = SpearOptions(budget, sampling, tolerances, selection, guidance, torch.device(device),
+                                    _DTYPES[dtype])
 
     def __repr__(self) -> str:
-        return (f"Spear(tau={self.tau}, max_samples={self.max_samples}, batch_samples={self.batch_samples}, "
-                f"seed={self.seed}, dtype={self.dtype})")
+        options = self.options
+        return (f"Spear(tau={options.sampling.tau}, max_samples={options.budget.max_samples}, "
+                f"batch_samples={options.budget.batch_samples}, seed={options.sampling.seed}, dtype={options.dtype})")
 
     def attack(
         self,
@@ -169,12 +109,13 @@ class Spear:
             raise ValueError(f"bias_grad must be ({m},), got {tuple(bias_grad.shape)}")
         if prior is not None and (prior.dim() < 1 or prior.numel() != prior.shape[0] * n):
             raise ValueError(f"prior must hold N inputs of {n} features (N, {n}), got {tuple(prior.shape)}")
-        run = SpearRun(self, weight_grad, bias_grad, batch_size, weight, bias, prior, start)
+        run = SpearRun(self.options, weight_grad, bias_grad, batch_size, weight, bias, prior, start)
         try:
             with torch.no_grad():
                 return run.execute()
         except (RuntimeError, ValueError) as error:  # e.g. an SVD that does not converge on garbage input
-            return run.finish(weight_grad.new_zeros(0, n, dtype=self.dtype), False, f"{type(error).__name__}: {error}")
+            return run.finish(weight_grad.new_zeros(0, n, dtype=self.options.dtype), False,
+                              f"{type(error).__name__}: {error}")
 
 
 class SpearRun:
@@ -192,17 +133,18 @@ class SpearRun:
     generator: torch.Generator
     state: SearchState
 
-    def __init__(self, config: Spear, weight_grad: Tensor, bias_grad: Tensor | None, batch_size: int | None,
+    def __init__(self, options: SpearOptions, weight_grad: Tensor, bias_grad: Tensor | None, batch_size: int | None,
                  weight: Tensor | None, bias: Tensor | None, prior: Tensor | None, start: float) -> None:
-        self.config = config
+        self.options = options
         self.weight_grad, self.bias_grad, self.batch_size = weight_grad, bias_grad, batch_size
         self.weight, self.bias, self.prior = weight, bias, prior
         self.start = start
         # float32 gradients cast to float64 still carry float32 rounding: judge by the values.
         low_precision = weight_grad.dtype != torch.float64 or bool(
             torch.equal(weight_grad.detach().float().double(), weight_grad.detach()))
-        self.zero_tol = config.zero_tol if config.zero_tol is not None else (1e-6 if low_precision else 1e-9)
-        self.dead_tol = config.dead_tol if config.dead_tol is not None else (1e-6 if low_precision else 1e-12)
+        tolerances = options.tolerances
+        self.zero_tol = tolerances.zero_tol if tolerances.zero_tol is not None else (1e-6 if low_precision else 1e-9)
+        self.dead_tol = tolerances.dead_tol if tolerances.dead_tol is not None else (1e-6 if low_precision else 1e-12)
         self.diag: dict[str, Any] = {
             "samples": 0, "candidates": 0, "rank": 0, "numerical_rank": 0, "live_rows": 0,
             "zero_tol": self.zero_tol, "dead_tol": self.dead_tol, "batch_size": batch_size, "iterations": 0,
@@ -220,12 +162,13 @@ class SpearRun:
 
     def execute(self) -> SpearResult:
         """Factorise (steps 1-2), search (3-4), select and certify (5); degenerate inputs end early."""
-        config, diag = self.config, self.diag
+        options, diag = self.options, self.diag
         m, n = self.weight_grad.shape
-        g = torch.nan_to_num(self.weight_grad.detach().to(config.device, config.dtype), nan=0.0, posinf=0.0, neginf=0.0)
+        g = torch.nan_to_num(self.weight_grad.detach().to(options.device, options.dtype), nan=0.0, posinf=0.0,
+                             neginf=0.0)
         u, s, vh = torch.linalg.svd(g, full_matrices=False)
         top = float(s[0]) if s.numel() else 0.0
-        numerical = int((s > config.rank_tol * top).sum()) if top > 0 else 0
+        numerical = int((s > options.tolerances.rank_tol * top).sum()) if top > 0 else 0
         diag["numerical_rank"] = numerical
         diag["singular_values"] = s[: min(s.numel(), 64)].cpu()
         b = int(self.batch_size) if self.batch_size is not None else numerical
@@ -249,10 +192,10 @@ class SpearRun:
                                                            "(best effort: a basis of the inputs' span)")
         self.b, self.left, self.right, self.live = b, left, right, live
         self.unit = left[live] / norms[live, None]  # rows of L normalised: zero patterns are scale free
-        need = max(math.ceil(config.tau * live_rows), b)
+        need = max(math.ceil(options.sampling.tau * live_rows), b)
         diag["min_zeros"] = need
         self.selector = Selector(left, right, self.bias_grad, self.weight, self.bias, self.zero_tol, self.dead_tol,
-                                 config.max_swaps, diag)
+                                 options.selection.max_swaps, diag)
         return self.conclude(self.search(need), n)
 
     def search(self, need: int) -> list[Candidate]:
@@ -264,22 +207,24 @@ class SpearRun:
         q (b,), zero count, pivotal): the non-pivotal ones sparsest first, then at most `max_pivotal`
         pivotal ones, sparsest first.
         """
-        config, unit, b, diag = self.config, self.unit, self.b, self.diag
-        self.generator = torch.Generator(device=config.device).manual_seed(config.seed)
+        options, unit, b, diag = self.options, self.unit, self.b, self.diag
+        self.generator = torch.Generator(device=options.device).manual_seed(options.sampling.seed)
         if b == 1:  # the kernel of a 0 x 1 matrix: q = [1]
             q = unit.new_ones(1)
             return [(q, int((unit[:, 0].abs() <= self.zero_tol).sum()), False)]
         self.state = SearchState(unit=unit, b=b, need=need, zero_tol=self.zero_tol,
                                  # Kernels can be ill-conditioned (b-1 rows that nearly span only b-2 dimensions),
                                  # so they may be screened with a looser tolerance; refined directions use zero_tol.
-                                 screen_tol=config.screen_factor * self.zero_tol, max_pivotal=config.max_pivotal,
-                                 diag=diag)
+                                 screen_tol=options.sampling.screen_factor * self.zero_tol,
+                                 max_pivotal=options.selection.max_pivotal, diag=diag)
         done = False
         if self.prior is not None and self.has_layer:
-            done = guided(self, self.prior)
+            done = guided(self.prior, self.state, self.right, self.weight, self.bias, self.live, options.guidance,
+                          options.budget.batch_samples, self.generator, self.out_of_time, self.certified_now)
         drawn = 0
         if not done:
-            done, drawn = sample_randomly(self)
+            done, drawn = sample_randomly(self.state, options.sampling, options.budget, self.generator, options.device,
+                                          self.out_of_time, self.certified_now)
         if not done:
             diag.setdefault("stopped", "max_samples")
         diag["samples"] = drawn
@@ -301,7 +246,8 @@ class SpearRun:
         return False
 
     def out_of_time(self) -> bool:
-        if self.config.max_seconds is not None and time.perf_counter() - self.start > self.config.max_seconds:
+        max_seconds = self.options.budget.max_seconds
+        if max_seconds is not None and time.perf_counter() - self.start > max_seconds:
             self.diag["stopped"] = "max_seconds"
             return True
         return False

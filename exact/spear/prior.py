@@ -7,16 +7,20 @@ sampling (see `guided`).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from exact.spear.attack import SpearRun
+from exact.spear.options import PriorGuidance
+from exact.spear.sampling import SearchState
 
 
-def guided(run: SpearRun, prior: Tensor) -> bool:
+def guided(
+    prior: Tensor, state: SearchState, right: Tensor, weight: Tensor, bias: Tensor, live: Tensor,
+    options: PriorGuidance, batch_samples: int, generator: torch.Generator, out_of_time: Callable[[], bool],
+    certified_now: Callable[[bool], bool],
+) -> bool:
     """Prior-guided directions: guesses of a sample's layer input say which neurons it left inactive.
 
     Sample j's input is x_j = R^T p_j (R: the gradient's right factor, orthonormal rows), so its
@@ -29,22 +33,25 @@ def guided(run: SpearRun, prior: Tensor) -> bool:
     guesses are projected on that complement; with b-1 columns found the last p_j is known up to
     scale. Guesses only propose candidates: the filters, the selection and the certificate are the
     same as for sampled ones, so a poor prior costs time, never exactness.
-    Returns True once the selection certifies.
+
+    `right` is R (b, n) and `live` the live rows of L, `weight` and `bias` the layer's; the guesses
+    feed `state` (the search so far, shared with the random sampler) `batch_samples` at a time.
+    `out_of_time()` ends the search; `certified_now(force)` re-selects and says whether the
+    selection certifies. Returns True once it does.
     """
-    config, state, generator, right = run.config, run.state, run.generator, run.right
     unit, b, diag = state.unit, state.b, state.diag
-    device, dtype = config.device, config.dtype
+    device, dtype = right.device, right.dtype
     rows = unit.shape[0]
     x = prior.detach().to(device, dtype).reshape(prior.shape[0], -1)
-    if x.shape[0] > config.max_prior:
-        x = x[torch.randperm(x.shape[0], generator=generator, device=device)[: config.max_prior]]
+    if x.shape[0] > options.max_inputs:
+        x = x[torch.randperm(x.shape[0], generator=generator, device=device)[: options.max_inputs]]
     guesses = x @ right.T  # (G, b) coordinates in the inputs' span
-    a = run.weight.detach().to(device, dtype)[run.live] @ right.T  # (rows, b)
-    offset = run.bias.detach().to(device, dtype)[run.live]
-    sizes = sorted({min(rows, max(b - 1, math.ceil(f * b))) for f in config.prior_rows})
+    a = weight.detach().to(device, dtype)[live] @ right.T  # (rows, b)
+    offset = bias.detach().to(device, dtype)[live]
+    sizes = sorted({min(rows, max(b - 1, math.ceil(f * b))) for f in options.rows})
     diag["prior_guesses"] = 0
     scale = float(guesses.norm(dim=1).median())  # a typical |p|, for the sweeps below
-    for _ in range(config.prior_rounds):
+    for _ in range(options.rounds):
         before = len(state.candidates)
         p = guesses
         regular = [c[0] for c in state.candidates if not c[2]]
@@ -54,12 +61,12 @@ def guided(run: SpearRun, prior: Tensor) -> bool:
                 break
             p = p - (p @ found) @ found.T  # unfound p_j are orthogonal to found q's
             left_dims = b - found.shape[1]
-            if left_dims <= config.sweep_dims and scale > 0:
+            if left_dims <= options.sweep_dims and scale > 0:
                 p = torch.cat([p, sweep(found, left_dims, scale, generator)])
-        for chunk in p.split(config.batch_samples):
+        for chunk in p.split(batch_samples):
             margins = chunk @ a.T + offset  # (chunk, rows) pre-activations under each guess
             for k in sizes:
-                if run.out_of_time():
+                if out_of_time():
                     return False
                 index = margins.topk(k, dim=1, largest=False).indices  # most inactive rows
                 sub = unit[index]  # (chunk, k, b)
@@ -67,7 +74,7 @@ def guided(run: SpearRun, prior: Tensor) -> bool:
                 q = vecs[:, :, 0]  # least-squares kernel of the k rows
                 diag["prior_guesses"] += q.shape[0]
                 state.absorb(q, torch.isfinite(q).all(dim=1))
-                if run.certified_now(force=state.pool_changed):
+                if certified_now(state.pool_changed):
                     return True
                 state.pool_changed = False
         diag["prior_rounds"] = diag.get("prior_rounds", 0) + 1

@@ -9,16 +9,14 @@ directions (`pivotal`, usually mixtures of two columns) go to a bounded fallback
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from exact.spear.options import Sampling, SearchBudget
 from exact.spear.selection import TINY, Candidate
-
-if TYPE_CHECKING:
-    from exact.spear.attack import SpearRun
 
 
 @dataclass
@@ -119,36 +117,43 @@ class SearchState:
         return changed
 
 
-def sample_randomly(run: SpearRun) -> tuple[bool, int]:
+def sample_randomly(
+    state: SearchState, sampling: Sampling, budget: SearchBudget, generator: torch.Generator, device: torch.device,
+    out_of_time: Callable[[], bool], certified_now: Callable[[bool], bool],
+) -> tuple[bool, int]:
     """The paper's sampler: random (b-1)-row submatrices (or b-2 rows with `line_search`), `batch_samples`
-    at a time, until the selection certifies or the budget is spent. Returns (certified, submatrices drawn)."""
-    config, state, unit, b, generator = run.config, run.state, run.unit, run.b, run.generator
+    at a time, until the selection certifies or the budget is spent. Returns (certified, submatrices drawn).
+
+    The directions feed `state`; `out_of_time()` ends the search; `certified_now(force)` re-selects and
+    says whether the selection certifies.
+    """
+    unit, b, diag = state.unit, state.b, state.diag
     rows = unit.shape[0]
-    pre_rows = min(config.prefilter_rows, rows) if config.prefilter_rows > 0 else rows
+    pre_rows = min(sampling.prefilter_rows, rows) if sampling.prefilter_rows > 0 else rows
     # Expected zeros on the pre-filter rows of a true direction: >= tau * pre_rows; accept at a
     # quarter of that so that true directions are hardly ever lost (a lost one is only a lost sample).
-    pre_need = max(1, int(0.25 * config.tau * pre_rows)) if pre_rows < rows else state.need
+    pre_need = max(1, int(0.25 * sampling.tau * pre_rows)) if pre_rows < rows else state.need
     drawn = 0
     done = False
-    while not done and drawn < config.max_samples:
-        if run.out_of_time():
+    while not done and drawn < budget.max_samples:
+        if out_of_time():
             break
-        count = min(config.batch_samples, config.max_samples - drawn)
+        count = min(budget.batch_samples, budget.max_samples - drawn)
         drawn += count
-        run.diag["iterations"] += 1
-        if config.line_search and b >= 3:
-            q, ok = line_kernels(unit, b, count, generator, state.screen_tol, config.device)
+        diag["iterations"] += 1
+        if sampling.line_search and b >= 3:
+            q, ok = line_kernels(unit, b, count, generator, state.screen_tol, device)
         else:
-            q, ok = row_kernels(unit, b, count, generator, config.device)
+            q, ok = row_kernels(unit, b, count, generator, device)
         q = q / q.norm(dim=1, keepdim=True).clamp_min(TINY)
         if pre_rows < rows:
-            probe = torch.randint(0, rows, (pre_rows,), generator=generator, device=config.device)
+            probe = torch.randint(0, rows, (pre_rows,), generator=generator, device=device)
             pre_zero = ((unit[probe] @ q.T).abs() <= state.screen_tol).sum(dim=0)
             ok &= pre_zero >= pre_need
         state.absorb(q, ok)
         # Re-select when a regular candidate arrived, or every 8th iteration when only the pool changed.
-        done = run.certified_now(force=state.pool_changed and run.diag["iterations"] % 8 == 0)
-        if state.pool_changed and run.diag["iterations"] % 8 == 0:
+        done = certified_now(state.pool_changed and diag["iterations"] % 8 == 0)
+        if state.pool_changed and diag["iterations"] % 8 == 0:
             state.pool_changed = False
     return done, drawn
 

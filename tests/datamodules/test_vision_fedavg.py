@@ -203,7 +203,7 @@ def test_spear_recovers_images_from_float64_fedavg_deltas_through_the_callback(t
 
     client = {"samples_per_update": 2, "local_epochs": 2, "minibatch_size": 1, "lr": 0.01, "dtype": "float64", "mode": "eval"}
     main(["test", "--config", _config(tmp_path, client), "--config", "configs/exact/spear_fcnn.yaml",
-          "--trainer.callbacks.init_args.attack.init_args.max_seconds", "5", "--data.init_args.eval_samples", "8"])
+          "--trainer.callbacks.init_args.attack.init_args.budget.max_seconds", "5", "--data.init_args.eval_samples", "8"])
     result = json.loads((tmp_path / "run" / "test_metrics.json").read_text())
     metrics = result["metrics"]
     assert result["setting"]["client"]["name"] == "fedavg"

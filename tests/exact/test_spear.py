@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from datamodules.federated.hashing import Hashing
-from exact.spear import Spear, SpearResult, relu_linear_layer, sparsity_agreement
+from exact.spear import Sampling, SearchBudget, Spear, SpearResult, relu_linear_layer, sparsity_agreement
 
 
 def planted(b=8, n=50, m=100, dtype=torch.float64, seed=0, dead=0, positive=False):
@@ -109,9 +109,9 @@ def test_batch_size_is_estimated_from_the_numerical_rank():
 
 def test_same_seed_same_result_and_different_seed_same_inputs():
     x, layer, gw, gb, _ = planted(b=8, seed=5)
-    a = Spear(seed=11, batch_samples=512).attack(gw, gb, 8, layer.weight, layer.bias)
-    b = Spear(seed=11, batch_samples=512).attack(gw, gb, 8, layer.weight, layer.bias)
-    c = Spear(seed=12, batch_samples=512).attack(gw, gb, 8, layer.weight, layer.bias)
+    a = Spear(SearchBudget(batch_samples=512), Sampling(seed=11)).attack(gw, gb, 8, layer.weight, layer.bias)
+    b = Spear(SearchBudget(batch_samples=512), Sampling(seed=11)).attack(gw, gb, 8, layer.weight, layer.bias)
+    c = Spear(SearchBudget(batch_samples=512), Sampling(seed=12)).attack(gw, gb, 8, layer.weight, layer.bias)
     # Same draws and same selection; the linear algebra may differ in the last bits (BLAS/LAPACK paths).
     assert a.diagnostics["samples"] == b.diagnostics["samples"]
     assert a.diagnostics["selected_zeros"] == b.diagnostics["selected_zeros"]
@@ -145,18 +145,18 @@ def test_degenerate_inputs_return_flagged_results():
     assert not zero.exact and "rank 0" in zero.reason and zero.inputs.shape == (0, 10)
 
     x, layer, gw, gb, _ = planted(b=10, seed=9)
-    starved = Spear(max_samples=8, batch_samples=4).attack(gw, gb, batch_size=10, weight=layer.weight, bias=layer.bias)
+    starved = Spear(SearchBudget(max_samples=8, batch_samples=4)).attack(gw, gb, batch_size=10, weight=layer.weight, bias=layer.bias)
     assert not starved.exact and "budget" in starved.reason and starved.diagnostics["samples"] == 8
 
     with pytest.raises(ValueError):
         Spear().attack(torch.zeros(3), None)
     with pytest.raises(ValueError):
-        Spear(tau=0.0)
+        Sampling(tau=0.0)
 
 
 def test_max_seconds_bounds_the_search():
     x, layer, gw, gb, _ = planted(b=24, m=60, n=40, seed=10)  # 2^23 expected samples: hopeless
-    result = Spear(max_seconds=0.5, batch_samples=1024).attack(gw, gb, 24, layer.weight, layer.bias)
+    result = Spear(SearchBudget(max_seconds=0.5, batch_samples=1024)).attack(gw, gb, 24, layer.weight, layer.bias)
     assert not result.exact and result.diagnostics["stopped"] == "max_seconds"
     assert result.diagnostics["seconds"] < 5
 
@@ -215,7 +215,7 @@ def test_spear_does_not_import_lightning():
 
 def test_line_search_sampler_recovers_the_planted_batch():
     x, layer, gw, gb, _ = planted(b=10, m=120, n=40, seed=12)
-    result = Spear(line_search=True, batch_samples=512).attack(gw, gb, 10, layer.weight, layer.bias)
+    result = Spear(SearchBudget(batch_samples=512), Sampling(line_search=True)).attack(gw, gb, 10, layer.weight, layer.bias)
     assert result.exact
     assert best_match(x, result.inputs)[0].min() > 0.999999
 

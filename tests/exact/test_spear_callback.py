@@ -119,7 +119,7 @@ def test_missing_update_or_layer_warns_and_skips():
 
 
 def test_prior_samples_guide_spear_with_the_servers_auxiliary_inputs():
-    from exact.spear import Spear
+    from exact.spear import SearchBudget, Spear
 
     pipeline = _vision_pipeline((1, 6, 6), samples=12, hidden=128)
     gen = torch.Generator().manual_seed(2)
@@ -138,7 +138,7 @@ def test_prior_samples_guide_spear_with_the_servers_auxiliary_inputs():
         return auxiliary[:limit]
 
     trainer = trainer_with(pipeline, auxiliary_inputs=auxiliary_inputs)
-    one_draw = Spear(max_samples=1)  # random sampling alone cannot find 12 directions in one draw
+    one_draw = Spear(SearchBudget(max_samples=1))  # random sampling alone cannot find 12 directions in one draw
     blind, guided = RecordingModule(), RecordingModule()
     SpearCallback(layer="layers.0", attack=one_draw).on_test_batch_end(trainer, blind, None, batch, 0)
     callback = SpearCallback(layer="layers.0", attack=one_draw, prior_samples=300)

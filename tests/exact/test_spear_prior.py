@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from exact.spear import Spear
+from exact.spear import PriorGuidance, Sampling, SearchBudget, Spear
 
 
 def clustered_layer(b: int, kind: str = "clusters", n: int = 50, m: int = 100, seed: int = 5, prior_size: int = 600):
@@ -43,9 +43,9 @@ def rows_matched(x: torch.Tensor, recovered: torch.Tensor) -> torch.Tensor:
 
 def test_prior_recovers_a_batch_of_20_that_one_random_draw_cannot():
     x, prior, layer, gw, gb = clustered_layer(b=20)
-    blind = Spear(max_samples=1).attack(gw, gb, batch_size=20, weight=layer.weight, bias=layer.bias)
+    blind = Spear(SearchBudget(max_samples=1)).attack(gw, gb, batch_size=20, weight=layer.weight, bias=layer.bias)
     assert not blind.exact and "budget" in blind.reason
-    guided = Spear(max_samples=1).attack(gw, gb, batch_size=20, weight=layer.weight, bias=layer.bias, prior=prior)
+    guided = Spear(SearchBudget(max_samples=1)).attack(gw, gb, batch_size=20, weight=layer.weight, bias=layer.bias, prior=prior)
     assert guided.exact and guided.agreement == 1.0
     assert guided.diagnostics["prior_guesses"] > 0 and guided.diagnostics["samples"] == 0
     assert rows_matched(x, guided.inputs).min() > 1 - 1e-9
@@ -58,10 +58,10 @@ def test_the_sweep_finds_columns_no_prior_input_points_to():
     """Uniform inputs make a weak prior: the first rounds leave a few columns; their p_j lie in the
     complement of the found directions (P Q = I), which the sweep covers."""
     x, prior, layer, gw, gb = clustered_layer(b=12, kind="uniform")
-    without = Spear(max_samples=1, sweep_dims=0).attack(gw, gb, batch_size=12, weight=layer.weight, bias=layer.bias,
+    without = Spear(SearchBudget(max_samples=1), guidance=PriorGuidance(sweep_dims=0)).attack(gw, gb, batch_size=12, weight=layer.weight, bias=layer.bias,
                                                         prior=prior)
     assert not without.exact
-    with_sweep = Spear(max_samples=1).attack(gw, gb, batch_size=12, weight=layer.weight, bias=layer.bias, prior=prior)
+    with_sweep = Spear(SearchBudget(max_samples=1)).attack(gw, gb, batch_size=12, weight=layer.weight, bias=layer.bias, prior=prior)
     assert with_sweep.exact and rows_matched(x, with_sweep.inputs).min() > 1 - 1e-9
 
 
@@ -69,7 +69,7 @@ def test_a_useless_prior_falls_back_to_sampling():
     """All-zero prior inputs name the same neurons for every guess; random sampling must still finish."""
     x, prior, layer, gw, gb = clustered_layer(b=6, m=80, n=40, seed=1)
     zeros = torch.zeros_like(prior)
-    stuck = Spear(max_samples=1).attack(gw, gb, batch_size=6, weight=layer.weight, bias=layer.bias, prior=zeros)
+    stuck = Spear(SearchBudget(max_samples=1)).attack(gw, gb, batch_size=6, weight=layer.weight, bias=layer.bias, prior=zeros)
     assert not stuck.exact and stuck.diagnostics["prior_guesses"] > 0
     result = Spear().attack(gw, gb, batch_size=6, weight=layer.weight, bias=layer.bias, prior=zeros)
     assert result.exact and result.diagnostics["samples"] > 0
@@ -83,14 +83,15 @@ def test_prior_needs_the_layer_weights_and_matching_features():
     assert "prior_guesses" not in result.diagnostics
     with pytest.raises(ValueError, match="prior"):
         Spear().attack(gw, gb, batch_size=6, weight=layer.weight, bias=layer.bias, prior=prior[:, :7])
-    for bad in ({"prior_rows": ()}, {"prior_rows": (0.0,)}, {"prior_rounds": -1}, {"max_prior": 0}, {"sweep_dims": -1}):
+    for bad in ({"rows": ()}, {"rows": (0.0,)}, {"rounds": -1}, {"max_inputs": 0}, {"sweep_dims": -1}):
         with pytest.raises(ValueError):
-            Spear(**bad)
+            PriorGuidance(**bad)
 
 
 def test_max_prior_takes_a_seeded_subset():
     x, prior, layer, gw, gb = clustered_layer(b=8, m=80, n=40, seed=2, prior_size=400)
-    spear = Spear(max_samples=1, max_prior=100, seed=3, prior_rounds=1, sweep_dims=0)
+    spear = Spear(SearchBudget(max_samples=1), Sampling(seed=3),
+                  guidance=PriorGuidance(rounds=1, max_inputs=100, sweep_dims=0))
     first = spear.attack(gw, gb, batch_size=8, weight=layer.weight, bias=layer.bias, prior=prior)
     again = spear.attack(gw, gb, batch_size=8, weight=layer.weight, bias=layer.bias, prior=prior)
     # Same subset, same search: the same reconstruction (to float64 rounding: threaded BLAS reductions
