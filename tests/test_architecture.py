@@ -5,8 +5,10 @@
   results) on top; no import cycle between modules;
 * plain PyTorch components never import Lightning; only the thin wrappers do.
 
-Imports are read from the source (every `import`, also inside functions), so a lazy import that
-points the wrong way fails as well.
+Imports are read from the source (every `import`, also inside functions and under
+`if TYPE_CHECKING:`), so a lazy import or an annotation-only import that points the wrong way, or
+closes a cycle, fails as well: a module that needs a type from a module above it should be handed
+what it uses instead.
 """
 
 from __future__ import annotations
@@ -51,18 +53,12 @@ def project_modules() -> dict[str, Path]:
 
 
 def imported_names(path: Path, module: str) -> set[str]:
-    """Every module name an `import` statement in the file names (relative imports resolved)."""
+    """Every module name an `import` statement in the file names (relative imports resolved), those
+    under `if TYPE_CHECKING:` included: an import for annotations only is still an arrow between modules."""
     is_package = path.name == "__init__.py"
     tree = ast.parse(path.read_text())
-    # Imports under `if TYPE_CHECKING:` are for annotations only: no arrow at run time.
-    typing_only = {
-        id(inner) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-        for inner in ast.walk(node)
-    }
     names = set()
     for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -106,10 +102,8 @@ def test_imports_run_from_the_workbench_down_to_the_data():
     assert not reversed_arrows, "\n".join(sorted(reversed_arrows))
 
 
-def test_there_is_no_import_cycle_between_modules():
-    # Package __init__ files only re-export their own submodules; an edge into a package means its
-    # __init__, so cycles through re-exports would show here too.
-    graph = project_imports(project_modules())
+def import_cycles(graph: dict[str, set[str]]) -> list[str]:
+    """The import cycles of `graph` (module -> the modules it imports), each as "a -> b -> a"."""
     state: dict[str, int] = {}
     stack: list[str] = []
     cycles = []
@@ -130,7 +124,28 @@ def test_there_is_no_import_cycle_between_modules():
     for node in sorted(graph):
         if node not in state:
             visit(node)
+    return cycles
+
+
+def test_there_is_no_import_cycle_between_modules():
+    # Package __init__ files only re-export their own submodules; an edge into a package means its
+    # __init__, so cycles through re-exports would show here too.
+    cycles = import_cycles(project_imports(project_modules()))
     assert not cycles, "\n".join(cycles)
+
+
+def test_the_cycle_check_catches_a_cycle_closed_under_type_checking(tmp_path):
+    """A step module that imports its caller for an annotation only (`if TYPE_CHECKING:`) closes a cycle."""
+    (tmp_path / "run.py").write_text("from pkg.step import search\n")
+    (tmp_path / "step.py").write_text(
+        "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from pkg.run import Run\n\n\n"
+        "def search(run: 'Run') -> None:\n    pass\n"
+    )
+    modules = {"pkg.run": tmp_path / "run.py", "pkg.step": tmp_path / "step.py"}
+    graph = {module: {n for n in imported_names(path, module) if n in modules and n != module}
+             for module, path in modules.items()}
+    assert graph == {"pkg.run": {"pkg.step"}, "pkg.step": {"pkg.run"}}
+    assert import_cycles(graph) == ["pkg.run -> pkg.step -> pkg.run"]
 
 
 def test_the_layer_check_catches_a_reversed_arrow(tmp_path):
