@@ -91,8 +91,7 @@ class Dager:
             relaxed_span_fraction: Relaxed mode: the second-layer span keeps at most this fraction of the width
                 d. A (nearly) full span (more tokens in context than d) puts every candidate at distance ~0;
                 its top directions still rank the true continuation first for the first positions of a
-                sentence (benchmarks/results/dager_cpu.md: at 0.91, GPT-2 B = 64 ROUGE-1 26% instead of 19%,
-                transformer3 B = 8 31% instead of 21%). 1.0: d - 1 directions (before 2026-11-24).
+                sentence (benchmarks/investigations/dager/notes.md, "Best effort against a full span"). 1.0: d - 1 directions.
             use_cache: Use a key/value cache for the causal prefix search where the model supports it.
             recover_last_token: Recover each sequence's final token (a label only) from the final-norm gradient.
             last_token_tol: Relative residual of the final-norm gradient below which the last tokens are exact.
@@ -114,7 +113,7 @@ class Dager:
             split_width: After the split, candidates kept per position for the strict search, in
                 multiples of the batch size: the pinned tokens, then the best-fitting others (None: every
                 candidate). The default 2 is the relaxed fill's width, checked on development sentences
-                (benchmarks/results/dager_cpu.md, "the split's focus").
+                (benchmarks/investigations/dager/notes.md, "The split's focus").
             peel: When the strict search certifies some sequences of a FedSGD update but not all, and the
                 caller can simulate the client (`attack(sequence_update=...)`): subtract the certified
                 sequences' own updates and attack the rest again, while rounds certify more

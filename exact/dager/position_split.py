@@ -220,7 +220,7 @@ def _echoes(words: Tensor, pinned: list[list[int]], leftover: Tensor) -> list[li
     whose coefficient at its own position is at most `OVERSUBTRACTED` also becomes a candidate where its
     coefficient is largest. On two MiniLM development updates (B = 8) this flagged all 6 tokens pinned
     away from a second position and put 5 of them back there, for 20 wrong extra candidates; the
-    search's results on those updates did not change (benchmarks/results/dager_cpu.md, "Echoes").
+    search's results on those updates did not change (benchmarks/investigations/dager/notes.md, "Echoes").
     """
     flat = [(i, j) for i, ids in enumerate(pinned) for j in ids]
     out: list[list[int]] = [[] for _ in pinned]
