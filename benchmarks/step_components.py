@@ -1,8 +1,8 @@
 """Seconds per training step by component: client updates (+ defense), hashing, reading cached
 features, inverter forward + loss, backward, optimizer step; for the old and the new training path.
 
-    python benchmarks/step_components.py --repeats 5
-    python benchmarks/step_components.py --variants mlp embedding:bf16 embedding-sampled:bf16:fused --defense sign
+    python -m benchmarks.step_components --repeats 5
+    python -m benchmarks.step_components --variants mlp embedding:bf16 embedding-sampled:bf16:fused --defense sign
 
 Builds the text DataModule on the embedded corpus (step cost does not depend on the text), draws one
 batch of `--batch` auxiliary blocks, and times each component separately (median of `--repeats`

@@ -1,7 +1,7 @@
 """Seconds per training step of a config (update generation + inverter step), for time-per-epoch estimates.
 
-    python benchmarks/step_time.py --config configs/paper/lti_wikitext103.yaml --offline --steps 12
-    python benchmarks/step_time.py --config configs/quickstart.yaml --config configs/protocols/fedavg.yaml \
+    python -m benchmarks.step_time --config configs/paper/lti_wikitext103.yaml --offline --steps 12
+    python -m benchmarks.step_time --config configs/quickstart.yaml --config configs/protocols/fedavg.yaml \
         -- --data.client.init_args.local_epochs 2   # any `lti fit` arguments after `--`
 
 Runs `lti fit` in-process on the configs for `--warmup + --steps` steps with a callback that times

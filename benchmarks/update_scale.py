@@ -12,7 +12,7 @@ median update norm ||u|| and its per-coordinate RMS ||u|| / sqrt(D). Then, per n
   coordinate, so at every step the signal-to-noise norm ratio is at most 1 / (sigma * sqrt(D)),
   whatever the update's scale: that bound is printed too.
 
-    python benchmarks/update_scale.py --grid configs/matrix/issue5.yaml --sigma 0.01 0.1 0.5
+    python -m benchmarks.update_scale --grid configs/matrix/issue5.yaml --sigma 0.01 0.1 0.5
 
 No model is trained; each protocol costs one batch of updates (FedAvg: several local steps).
 """
@@ -24,11 +24,8 @@ import logging
 import math
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
-
-import torch  # noqa: E402
+import torch
 
 
 def protocol_updates(grid, protocol, updates: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ Variants (each in its own subprocess, so that its peak memory is its own):
 loop / fast / vmap run the whole `UpdatePipeline` (per-sample gradients, defense, feature hashing).
 A last subprocess checks the per-sample gradients of fast and vmap against the loop on the same batch.
 
-    python benchmarks/update_throughput.py --device cpu --batch 64 --repeats 3 --rounds 3 --defense none
+    python -m benchmarks.update_throughput --device cpu --batch 64 --repeats 3 --rounds 3 --defense none
 
 On a shared machine the load changes while the benchmark runs, so the variants run in `--rounds`
 interleaved rounds (each round: every variant once, in a rotated order, `--repeats` timed calls
@@ -37,20 +37,18 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
+import torch
 
-import torch  # noqa: E402
-
-import datamodules.federated.engines.next_token as engine_module  # noqa: E402
-from datamodules.federated import FedSGDClient, UpdatePipeline  # noqa: E402
-from datamodules.federated.defenses import DPSGD, GaussianNoise, NoDefense, Sign, TopKPruning  # noqa: E402
-from datamodules.federated.engines.next_token import (  # noqa: E402
+import datamodules.federated.engines.next_token as engine_module
+from datamodules.federated import FedSGDClient, UpdatePipeline
+from datamodules.federated.defenses import DPSGD, GaussianNoise, NoDefense, Sign, TopKPruning
+from datamodules.federated.engines.next_token import (
     per_example_gradients,
     per_example_gradients_loop,
     per_example_gradients_vmap,
 )
-from datamodules.targets.base import next_token_loss  # noqa: E402
-from datamodules.targets.transformer3 import Transformer3  # noqa: E402
+from datamodules.targets.base import next_token_loss
+from datamodules.targets.transformer3 import Transformer3
 
 VARIANTS = ("loop", "fast", "vmap", "fast-grad", "ceiling", "post")
 DEFENSES = {
@@ -162,10 +160,11 @@ def check(args) -> dict:
 
 def run_child(args, role: str) -> dict:
     command = [
-        sys.executable, str(Path(__file__).resolve()), "--device", args.device, "--batch", str(args.batch),
+        sys.executable, "-m", "benchmarks.update_throughput", "--device", args.device, "--batch", str(args.batch),
         "--repeats", str(args.repeats), "--rounds", "1", "--defense", args.defense, "--worker", role,
     ]
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    # Run from the repository root, where `-m benchmarks.update_throughput` resolves to this file.
+    result = subprocess.run(command, capture_output=True, text=True, check=False, cwd=Path(__file__).resolve().parents[1])
     if result.returncode != 0:
         raise RuntimeError(f"worker {role} failed:\n{result.stderr[-4000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])

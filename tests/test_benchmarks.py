@@ -1,7 +1,7 @@
 """Benchmarks that quote numbers in the docs: they run, and their derived columns follow from the measured ones."""
 
-import importlib.util
-import sys
+import importlib
+from pathlib import Path
 
 import pytest
 from conftest import REPO
@@ -10,11 +10,10 @@ from datamodules.federated.hashing import Hashing
 
 
 def load_benchmark(name: str):
-    """benchmarks/<name>.py as a module (the folder is scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(module)
+    """`benchmarks.<name>` (a benchmark, `tools.<name>` or `investigations.dager.<name>`), this checkout's own:
+    opacus installs an unrelated top-level `benchmarks` package, which must not be the one imported."""
+    module = importlib.import_module(f"benchmarks.{name}")
+    assert REPO in Path(module.__file__).resolve().parents, f"imported {module.__file__}, not this checkout's"
     return module
 
 
@@ -50,7 +49,7 @@ def test_inverter_loss_benchmark_times_both_layouts_and_they_agree(capsys):
 
 
 def test_fedavg_dager_diagnostics_measure_zero_distances_for_the_truth_of_a_fedsgd_gradient():
-    """benchmarks/fedavg_dager_diagnostics.py: the true tokens of a FedSGD (eval) gradient lie in its
+    """benchmarks/investigations/dager/fedavg_dager_diagnostics.py: the true tokens of a FedSGD (eval) gradient lie in its
     first-layer span and the true sequence's block-1 outputs in its second-layer span (distances ~1e-8:
     the loss is computed in float32), while the vocabulary's median is far away; one wrong token moves
     both distances up to that scale."""
@@ -60,7 +59,7 @@ def test_fedavg_dager_diagnostics_measure_zero_distances_for_the_truth_of_a_feds
     from datamodules.targets import Transformer3
     from exact import Dager
 
-    module = load_benchmark("fedavg_dager_diagnostics")
+    module = load_benchmark("investigations.dager.fedavg_dager_diagnostics")
     torch.manual_seed(0)
     target = Transformer3(vocab_size=300, hidden_size=32, num_heads=2, ffn_size=64, num_layers=2, max_positions=8).double().eval()
     pipeline = UpdatePipeline(target, FedSGDClient("eval", 1), hashing=Hashing(bins=16))
@@ -81,7 +80,9 @@ def test_behaviour_equivalence_compares_metrics_and_every_weight(tmp_path):
 
     import torch
 
-    compare = load_benchmark("behaviour_equivalence").compare
+    module = load_benchmark("tools.behaviour_equivalence")
+    assert module.REPO == REPO  # it makes worktrees of, and runs, the repository it sits in
+    compare = module.compare
     for name, shift in (("a", 0.0), ("b", 0.0), ("c", 0.25)):
         (tmp_path / name / "ckpt").mkdir(parents=True)
         (tmp_path / name / "val_metrics.json").write_text(json.dumps({"metrics": {"val/lti/token_acc": 0.5 + shift}}))
@@ -99,7 +100,7 @@ def test_paper_table_reports_each_runs_last_row_never_its_best(tmp_path, monkeyp
         "step,samples,wall_minutes,val/lti/rouge1,val/lti/rouge2,val/lti/rougeL,val/lti/token_acc\n"
         "500,32000,5.0,0.5,0.3,0.5,0.60\n1000,64000,10.0,0.8,0.6,0.8,0.90\n1500,96000,15.5,0.7,0.5,0.7,0.85\n"
     )
-    table = load_benchmark("paper_table")
+    table = load_benchmark("tools.paper_table")
     monkeypatch.setattr(sys, "argv", ["paper_table", "--out", str(tmp_path / "out"), "--cell", "lti_p", "none", str(curve), "lti fit ..."])
     table.main()
     rows = {(r["attack"], r["defense"]): r for r in csv.DictReader((tmp_path / "out" / "table2.csv").open())}
@@ -122,8 +123,7 @@ def test_compare_curves_prints_each_runs_last_row_and_copies_the_curves(tmp_path
         "step,samples,wall_minutes,val/baseline/token_acc,val/lti/rouge1,val/lti/rouge2,val/lti/rougeL,val/lti/token_acc\n"
         "500,32000,5.0,0.05,0.5,0.3,0.5,0.60\n1000,64000,10.0,0.05,0.4,0.2,0.4,0.55\n"
     )
-    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))  # it reads paper_table's curve format
-    module = load_benchmark("compare_curves")
+    module = load_benchmark("tools.compare_curves")
     monkeypatch.setattr(sys, "argv", ["compare_curves", "--out", str(tmp_path / "out"), "--name", "size",
                                       "--curve", "2 sequences", str(curve)])
     module.main()
@@ -169,11 +169,11 @@ def test_step_components_benchmark_times_every_component_of_old_and_new_paths(ca
 
 
 def test_dager_large_batch_diagnostics_on_a_batch_below_the_width(tiny_gpt2):
-    """benchmarks/dager_large_batch_diagnostics.py on a tiny GPT-2 (d = 32) and two short sentences
+    """benchmarks/investigations/dager/dager_large_batch_diagnostics.py on a tiny GPT-2 (d = 32) and two short sentences
     (10 inputs reach the loss): both ranks stay below the width, the true tokens pass the first-layer
     test, and with the second-layer span kept whole the true next token is the closest candidate
     (rank 0), inside the span."""
-    module = load_benchmark("dager_large_batch_diagnostics")
+    module = load_benchmark("investigations.dager.dager_large_batch_diagnostics")
     seqs = [[5, 17, 42, 8, 99, 3], [7, 17, 250, 61, 12, 4]]
     update, ids = module.observed_update(tiny_gpt2, seqs, pad_id=0)
     assert ids.shape == (2, 6)
@@ -187,10 +187,10 @@ def test_dager_large_batch_diagnostics_on_a_batch_below_the_width(tiny_gpt2):
 
 
 def test_dager_ranked_beam_diagnostic_recovers_a_small_batch(tiny_gpt2):
-    """The `--beam` part of benchmarks/dager_large_batch_diagnostics.py: below the width, with the
+    """The `--beam` part of benchmarks/investigations/dager/dager_large_batch_diagnostics.py: below the width, with the
     second-layer span kept whole, the ranked prefix search keeps every true prefix and returns both
     sentences (minus their last token)."""
-    module = load_benchmark("dager_large_batch_diagnostics")
+    module = load_benchmark("investigations.dager.dager_large_batch_diagnostics")
     seqs = [[5, 17, 42, 8, 99, 3], [7, 17, 250, 61, 12, 4]]
     update, _ = module.observed_update(tiny_gpt2, seqs, pad_id=0)
     out = module.ranked_beam(tiny_gpt2, seqs, update, beam=8, rank=31, steps=[1, 2])
@@ -230,14 +230,14 @@ def test_dager_benchmark_rotten_tomatoes_sentences_come_from_gensim_test_data():
 
 
 def test_dropout_dager_diagnostics_separate_true_masked_inputs_from_wrong_pairs():
-    """benchmarks/dropout_dager_diagnostics.py on a tiny train-mode GPT-2 (d = 64, dropout 0.1): the
+    """benchmarks/investigations/dager/dropout_dager_diagnostics.py on a tiny train-mode GPT-2 (d = 64, dropout 0.1): the
     first layer's rank is the number of inputs, every true input's mask pursuit reaches 1e-6 within
     the attack's budget, and random wrong pairs stay far from the span with as many atoms."""
     import torch
 
     from datamodules.targets import HFCausalLM
 
-    module = load_benchmark("dropout_dager_diagnostics")
+    module = load_benchmark("investigations.dager.dropout_dager_diagnostics")
     torch.manual_seed(0)
     target = HFCausalLM(architecture="gpt2", config=dict(n_layer=2, n_embd=64, n_head=4, vocab_size=300, n_positions=16,
                                                          resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1))
@@ -252,14 +252,14 @@ def test_dropout_dager_diagnostics_separate_true_masked_inputs_from_wrong_pairs(
 
 
 def test_gpt2_fedavg_dager_diagnostics_on_a_fedsgd_like_client():
-    """benchmarks/gpt2_fedavg_dager_diagnostics.py on a tiny GPT-2 and a one-step float64 client (E = 1,
+    """benchmarks/investigations/dager/gpt2_fedavg_dager_diagnostics.py on a tiny GPT-2 and a one-step float64 client (E = 1,
     one minibatch: the delta is one gradient): both ranks are the inputs', the true pairs and
     sentences are on both spans, and DAGER recovers both sentences."""
     import torch
 
     from datamodules.targets import HFCausalLM
 
-    module = load_benchmark("gpt2_fedavg_dager_diagnostics")
+    module = load_benchmark("investigations.dager.gpt2_fedavg_dager_diagnostics")
     torch.manual_seed(0)
     target = HFCausalLM(architecture="gpt2", config=dict(n_layer=2, n_embd=64, n_head=4, vocab_size=300, n_positions=16,
                                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))

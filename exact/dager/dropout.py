@@ -69,7 +69,7 @@ class MaskedInput:
 def max_dropped(dim: int, rate: float) -> int:
     """The pursuit's budget: the most coordinates a Bernoulli(rate) mask drops, six standard deviations
     up, plus room for a few atoms the greedy pursuit picks wrongly first (GPT-2 B = 8: true inputs
-    need 60-113 atoms, the budget is 135; benchmarks/dropout_dager_diagnostics.py)."""
+    need 60-113 atoms, the budget is 135; benchmarks/investigations/dager/dropout_dager_diagnostics.py)."""
     mean = rate * dim
     return min(dim - 1, int(math.ceil(mean + 6 * math.sqrt(dim * rate * (1 - rate)) + 8)))
 

@@ -6,7 +6,7 @@ model is wide, the span is the whole space and every token passes the span check
 is impossible (DAGER, Petrov et al., §4: B·L < d). The second layer's inputs are the tokens in
 context (one per token, duplicates included), so its span fills up first: at GPT-2 width 768 and
 B = 64 WikiText sentences, 1,388 inputs make it rank 767 while the first layer stays at 522
-(benchmarks/results/dager_cpu.md). The notes read the ranks from the update, as the server can. Defenses that act coordinate-wise (sign, pruning,
+(benchmarks/investigations/dager/notes.md, "Large batches"). The notes read the ranks from the update, as the server can. Defenses that act coordinate-wise (sign, pruning,
 noise) leave a matrix that is no longer in the span of the inputs, so exactness is not expected
 either. The attack still runs (its best effort is a result); these notes say why it may fall short.
 """
@@ -46,7 +46,7 @@ def feasibility_notes(width: int, defense: dict | None = None, rank1: int | None
     width) lets any sequence pass, so no sequence can be told apart or certified. For a bidirectional
     model, first-layer candidates far more numerous than the protocol's batch size at a typical
     position (`candidates_per_position`, read from the update) mean that the first layer does not tell
-    positions apart (benchmarks/results/dager_cpu.md, "Encoders at B = 8"), so its search is a bounded
+    positions apart (benchmarks/investigations/dager/notes.md, "Encoders at B = 8"), so its search is a bounded
     best effort.
     """
     notes = []

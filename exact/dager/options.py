@@ -123,7 +123,7 @@ class EncoderOptions(OptionGroup):
         split_width: After the split, candidates kept per position for the strict search, in multiples
             of the batch size: the pinned tokens, then the best-fitting others (None: every candidate).
             The default 2 is the relaxed fill's width, checked on development sentences
-            (benchmarks/results/dager_cpu.md, "the split's focus").
+            (benchmarks/investigations/dager/notes.md, "The split's focus").
     """
 
     max_combinations: int = 4096
@@ -155,8 +155,8 @@ class RelaxedFill(OptionGroup):
         span_fraction: The second-layer span keeps at most this fraction of the width d. A (nearly) full
             span (more tokens in context than d) puts every candidate at distance ~0; its top directions
             still rank the true continuation first for the first positions of a sentence
-            (benchmarks/results/dager_cpu.md: at 0.91, GPT-2 B = 64 ROUGE-1 26% instead of 19%,
-            transformer3 B = 8 31% instead of 21%). 1.0: d - 1 directions.
+            (benchmarks/investigations/dager/notes.md, "Best effort against a full span"). 1.0: d - 1
+            directions.
     """
 
     enabled: bool = True

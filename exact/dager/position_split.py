@@ -25,7 +25,7 @@ is right is still decided by the second-layer test and the certificate. A wrong 
 token from its true position: a sentence using it there could no longer be found (never a false
 claim). That happens to a token that occurs at two positions, one of which holds most of its row
 (measured on MiniLM, B = 8: 66 tokens pinned, all at a true position, 2 true pairs lost this way;
-`benchmarks/encoder_dager_diagnostics.py --split`). A refit that unpins tokens whose rest shows
+`benchmarks/investigations/dager/encoder_dager_diagnostics.py --split`). A refit that unpins tokens whose rest shows
 elsewhere did not separate them from right pins (coefficients of 0.1-0.2 either way) and was dropped.
 What stays is milder: such a token's trace in what the split leaves unexplained (negative at its pin,
 positive at its other position) makes it an extra candidate there ("echoes", `_echoes`), added after
@@ -220,7 +220,7 @@ def _echoes(words: Tensor, pinned: list[list[int]], leftover: Tensor) -> list[li
     whose coefficient at its own position is at most `OVERSUBTRACTED` also becomes a candidate where its
     coefficient is largest. On two MiniLM development updates (B = 8) this flagged all 6 tokens pinned
     away from a second position and put 5 of them back there, for 20 wrong extra candidates; the
-    search's results on those updates did not change (benchmarks/results/dager_cpu.md, "Echoes").
+    search's results on those updates did not change (benchmarks/investigations/dager/notes.md, "Echoes").
     """
     flat = [(i, j) for i, ids in enumerate(pinned) for j in ids]
     out: list[list[int]] = [[] for _ in pinned]

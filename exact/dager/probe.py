@@ -133,10 +133,6 @@ class SecondLayerProbe:
         return out
 
 
-#: The name the diagnostics scripts in benchmarks/ import (to be replaced there by `SecondLayerProbe`).
-_SecondLayer = SecondLayerProbe
-
-
 class _ResidualSpan:
     """The part of the second-layer span not explained by some sequences' second-layer inputs.
 

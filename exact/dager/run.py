@@ -363,8 +363,7 @@ class DagerRun:
             # An encoder whose first layer is blind: every batch token is at distance ~0 everywhere, so the
             # split's order (pinned tokens, then the open ones by fit) ranks the candidates instead. Twice
             # the batch size by default: chosen on development sentences that no benchmark row uses
-            # (`dager_benchmark.py --rows minilm-B8 --pool-offset 100 / 200`: ROUGE-1 42/47 at B, 49/64 at 2B,
-            # 47/59 at 3B; benchmarks/results/dager_cpu.md).
+            # (benchmarks/investigations/dager/notes.md, "Encoders at B = 8: the first-layer split").
             width = relaxed.top_k or 2 * max(2, batch_size or 1)
             ranked = self.split.candidates([torch.arange(inputs.vocab_size)] * min(steps, self.split.used_positions))
             candidates = self.split.focused(ranked, width, echoes=False)

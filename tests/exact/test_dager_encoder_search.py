@@ -138,7 +138,7 @@ def test_pretrained_minilm_two_sentences_if_installed():
 def test_a_first_layer_blind_to_positions_is_named_as_the_reason():
     """An encoder's first-layer inputs LN(word + position) span the sum space of the batch's words and
     positions once their pairs outnumber them: then every batch token passes at every position
-    (benchmarks/results/dager_cpu.md, "Encoders at B = 8"). The attack records the first-layer counts
+    (benchmarks/investigations/dager/notes.md, "Encoders at B = 8"). The attack records the first-layer counts
     (kept through the relaxed fallback) and the feasibility note names the blindness."""
     from exact.dager.feasibility import feasibility_notes
 

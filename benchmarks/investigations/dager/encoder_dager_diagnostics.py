@@ -16,12 +16,12 @@ lies in the span of its own sentence's first-layer keys/queries, for the true se
 position wrong, and with random candidates). `--peel-true K` first subtracts the first K sentences' own
 updates, as peeling does once it has certified them, and diagnoses the B - K left. Run:
 
-    OMP_NUM_THREADS=1 python benchmarks/encoder_dager_diagnostics.py --batch-size 8 [--offset 0]
-    OMP_NUM_THREADS=1 python benchmarks/encoder_dager_diagnostics.py --batch-size 8 --l1-only --teacher-forced
-    OMP_NUM_THREADS=1 python benchmarks/encoder_dager_diagnostics.py --batch-size 4 --beam-widths 100000 512 256 128
-    OMP_NUM_THREADS=1 python benchmarks/encoder_dager_diagnostics.py --batch-size 8 --offset 12 --split
-    OMP_NUM_THREADS=1 python benchmarks/encoder_dager_diagnostics.py --batch-size 8 --key-span
-    OMP_NUM_THREADS=2 python benchmarks/encoder_dager_diagnostics.py --batch-size 8 --offset 200 --split --peel-true 2
+    OMP_NUM_THREADS=1 python -m benchmarks.investigations.dager.encoder_dager_diagnostics --batch-size 8 [--offset 0]
+    OMP_NUM_THREADS=1 python -m benchmarks.investigations.dager.encoder_dager_diagnostics --batch-size 8 --l1-only --teacher-forced
+    OMP_NUM_THREADS=1 python -m benchmarks.investigations.dager.encoder_dager_diagnostics --batch-size 4 --beam-widths 100000 512 256 128
+    OMP_NUM_THREADS=1 python -m benchmarks.investigations.dager.encoder_dager_diagnostics --batch-size 8 --offset 12 --split
+    OMP_NUM_THREADS=1 python -m benchmarks.investigations.dager.encoder_dager_diagnostics --batch-size 8 --key-span
+    OMP_NUM_THREADS=2 python -m benchmarks.investigations.dager.encoder_dager_diagnostics --batch-size 8 --offset 200 --split --peel-true 2
 
 Needs the optional MiniLM package (dager_benchmark.py's INSTALL["minilm"]).
 """
@@ -30,23 +30,18 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dager_benchmark import DEFAULT_DATA, batch_of, context, gpt2_tokenizer, model  # noqa: E402
-
-from datamodules.federated import FedSGDClient, Hashing, NoDefense, ParameterSelection  # noqa: E402
-from datamodules.federated.pipeline import UpdatePipeline  # noqa: E402
-from exact.dager import encoder as encoder_module  # noqa: E402
-from exact.dager.peel import without  # noqa: E402
-from exact.dager.position_split import split_first_layer  # noqa: E402
-from exact.layers import find_layers, find_module_by_name  # noqa: E402
+from benchmarks.dager_benchmark import DEFAULT_DATA, batch_of, context, gpt2_tokenizer, model
+from datamodules.federated import FedSGDClient, Hashing, NoDefense, ParameterSelection
+from datamodules.federated.pipeline import UpdatePipeline
+from exact.dager import encoder as encoder_module
+from exact.dager.peel import without
+from exact.dager.position_split import split_first_layer
+from exact.layers import find_layers, find_module_by_name
 
 
 class _Captured(Exception):

@@ -1,7 +1,7 @@
 """Several `lti fit` learning curves on one figure: held-out token accuracy (and the attack-free
 baseline) against training steps.
 
-    python benchmarks/compare_curves.py --out docs/paper_reproduction/sequences --name update_size \
+    python -m benchmarks.tools.compare_curves --out docs/paper_reproduction/sequences --name update_size \
         --curve "1 sequence" runs/reproduction/lti/curve.csv \
         --curve "2 sequences" runs/reproduction/lti_sequences_2/curve.csv \
         --curve "4 sequences" runs/reproduction/lti_sequences_4/curve.csv
@@ -17,7 +17,7 @@ import re
 import shutil
 from pathlib import Path
 
-from paper_table import METRICS, read_curve
+from benchmarks.tools.paper_table import METRICS, read_curve
 
 
 def main() -> None:

@@ -5,24 +5,20 @@ random 12-token sequences, E = 2 epochs of minibatches of 2 = 4 local steps) of 
 tests/exact/test_dager.py, attacked as its pseudo-gradient with the second-layer test at the
 global weights only, then also at the weights of every local step (`Dager.attack(trajectory=...)`).
 Prints the exact sequences recovered. Seconds on one CPU thread:
-    OMP_NUM_THREADS=1 python benchmarks/dager_trajectory_sweep.py
+    OMP_NUM_THREADS=1 python -m benchmarks.investigations.dager.dager_trajectory_sweep
 """
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from datamodules.federated import FedAvgClient, ParameterSelection, UpdatePipeline  # noqa: E402
-from datamodules.federated.hashing import Hashing  # noqa: E402
-from datamodules.targets import Transformer3  # noqa: E402
-from exact import Dager, find_layers  # noqa: E402
-from exact.dager import SpanTests, local_step_offsets  # noqa: E402
+from datamodules.federated import FedAvgClient, ParameterSelection, UpdatePipeline
+from datamodules.federated.hashing import Hashing
+from datamodules.targets import Transformer3
+from exact import Dager, find_layers
+from exact.dager import SpanTests, local_step_offsets
 
 VOCAB = 500
 

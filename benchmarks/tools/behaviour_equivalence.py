@@ -1,12 +1,13 @@
 """Same behaviour as another commit? Short `lti fit` runs in a worktree of `--baseline` and in this
 checkout, compared metric by metric and weight by weight.
 
-    python benchmarks/behaviour_equivalence.py --baseline 5b386b5 [--steps 20] [--out runs/equivalence]
+    python -m benchmarks.tools.behaviour_equivalence --baseline 5b386b5 [--steps 20] [--out runs/equivalence]
 
 Runs (each `--steps` training steps, one validation on 128 held-out samples):
   quickstart         configs/quickstart.yaml (text, FedSGD, no defense)
   fedavg_dpsgd       + configs/protocols/fedavg.yaml + configs/defenses/dpsgd.yaml
   vision_fedavg      configs/vision/lti_digits.yaml + configs/vision/protocols/fedavg.yaml
+  reproduction_lti_p configs/reproduction/lti_p.yaml on the embedded corpus (offline; the config names WikiText)
 Prints a markdown table: the largest metric difference and the largest weight difference per run.
 The baseline runs from its own tree (`PYTHONPATH` points at the worktree), so it may use its own
 config names. Slow refactors are checked here; the unit tests check each piece against a reference.
@@ -24,18 +25,23 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # benchmarks/tools/ -> the repository root
 RUNS = {
     "quickstart": ["--config", "configs/quickstart.yaml", "--data.eval_samples", "128"],
     "fedavg_dpsgd": ["--config", "configs/quickstart.yaml", "--config", "configs/protocols/fedavg.yaml",
                      "--config", "configs/defenses/dpsgd.yaml", "--data.eval_samples", "128"],
     "vision_fedavg": ["--config", "configs/vision/lti_digits.yaml", "--config", "configs/vision/protocols/fedavg.yaml"],
+    # The paper-reproduction recipe (LTI-P: pseudo-data, cosine schedule, sampled softmax, bf16), offline: the
+    # embedded corpus instead of the WikiText files it is given on the command line; its curve in the run folder.
+    "reproduction_lti_p": ["--config", "configs/reproduction/lti_p.yaml", "--data.corpus", "datamodules.text.EmbeddedCorpus",
+                           "--data.eval_samples", "128", "--curve.path", "{folder}/curve.csv"],
 }
 
 
 def fit(tree: Path, run: str, steps: int, out: Path) -> Path:
     folder = out / run
-    args = [sys.executable, "-m", "lti.cli", "fit", *RUNS[run], "--trainer.max_steps", str(steps),
+    run_args = [arg.format(folder=folder) for arg in RUNS[run]]
+    args = [sys.executable, "-m", "lti.cli", "fit", *run_args, "--trainer.max_steps", str(steps),
             "--trainer.val_check_interval", str(steps), "--trainer.logger", "false",
             "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(folder),
             "--checkpoint.dirpath", str(folder / "ckpt")]

@@ -13,27 +13,21 @@ once with a float64 one (`FedAvgClient(dtype="float64")`), this prints per updat
   exactly, the mode and reason, the first-layer candidates per position and its flags.
 
 Offline (the embedded corpus and tokenizer); on one CPU thread under a minute per update
-(benchmarks/results/fedavg_dager_diagnostics_cpu.md):
-    OMP_NUM_THREADS=1 python benchmarks/fedavg_dager_diagnostics.py --updates 4
+(benchmarks/investigations/dager/fedavg_dager_diagnostics.md):
+    OMP_NUM_THREADS=1 python -m benchmarks.investigations.dager.fedavg_dager_diagnostics --updates 4
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from datamodules.federated import FedAvgClient  # noqa: E402
-from datamodules.targets import Transformer3  # noqa: E402
-from datamodules.text_inversion import TextInversionDataModule  # noqa: E402
-from exact import Dager  # noqa: E402
-from exact.dager import EncoderOptions, SpanTests, local_step_offsets, span_basis, token_distances  # noqa: E402
-from exact.dager.probe import _SecondLayer  # noqa: E402
+from datamodules.federated import FedAvgClient
+from datamodules.targets import Transformer3
+from datamodules.text_inversion import TextInversionDataModule
+from exact import Dager
+from exact.dager import EncoderOptions, SecondLayerProbe, SpanTests, local_step_offsets, span_basis, token_distances
 
 
 def observed_batch(dtype: str, epochs: int, minibatch: int, seed: int):
@@ -71,7 +65,7 @@ def true_sequence_distances(attack: Dager, target, update: dict, ids: torch.Tens
     layers = attack.layers(target)
     basis = capped_basis(attack, layers.second.input_space(update, attack.options.span.blocks), ids)
     with torch.no_grad():
-        return _SecondLayer(target, layers, basis, attack.options.budgets.probe_tokens, update, trajectory).full(ids).max(dim=1).values
+        return SecondLayerProbe(target, layers, basis, attack.options.budgets.probe_tokens, update, trajectory).full(ids).max(dim=1).values
 
 
 def main() -> None:

