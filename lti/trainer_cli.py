@@ -20,7 +20,9 @@ import datamodules.targets.vision  # noqa: F401,E402
 import datamodules.text  # noqa: F401,E402
 import datamodules.vision  # noqa: F401,E402
 import lti.inverters  # noqa: F401,E402
+from exact.callbacks import ExactAttackCallback
 from lti.curves import LearningCurve
+from lti.exact_only import ExactAttacksOnly
 from lti.results import ResultsWriter
 
 # `model` and `data` take any LightningModule / LightningDataModule by `class_path` (subclass mode);
@@ -40,6 +42,40 @@ class LTICLI(LightningCLI):
                              "checkpoint.filename": "step{step}", "checkpoint.auto_insert_metric_name": False})
         parser.add_lightning_class_args(ResultsWriter, "results")
         parser.add_lightning_class_args(LearningCurve, "curve")
+
+    def _say(self, line: str) -> None:
+        if self.trainer.is_global_zero:
+            print(line)
+
+    def _results_writer(self) -> ResultsWriter | None:
+        return next((c for c in self.trainer.callbacks if isinstance(c, ResultsWriter)), None)
+
+    def _choose_what_to_evaluate(self, subcommand: str, stage: str) -> None:
+        """Decides what `lti validate|test` evaluates: without a checkpoint the inverter is untrained, so
+        when exact attacks run in this stage they are evaluated alone (`ExactAttacksOnly`); otherwise the
+        untrained inverter is evaluated and its results say so."""
+        writer = self._results_writer()
+        if writer is not None and writer.print_table:
+            self.config_init[subcommand]["verbose"] = False  # the results table replaces Lightning's copy of it
+        if self.config_init[subcommand].get("ckpt_path") is not None:
+            return
+        exact = [c for c in self.trainer.callbacks if isinstance(c, ExactAttackCallback) and stage in c.stages]
+        if exact:
+            self.model = ExactAttacksOnly()
+            names = " and ".join(dict.fromkeys(c.attack_name for c in exact))
+            self._say(f"lti: note: no --ckpt_path, so no trained inverter to evaluate: {names} alone")
+        elif writer is not None:
+            writer.untrained_inverter = True
+
+    def before_validate(self) -> None:
+        self._choose_what_to_evaluate("validate", "val")
+
+    def before_test(self) -> None:
+        self._choose_what_to_evaluate("test", "test")
+
+    def before_predict(self) -> None:
+        if self.config_init["predict"].get("ckpt_path") is None:
+            self._say("lti: note: no --ckpt_path: these predictions come from an untrained inverter (random weights)")
 
 
 def trainer_defaults() -> dict:

@@ -42,10 +42,47 @@ def test_fit_test_predict_write_results_and_secure_checkpoints(make_config, tmp_
     assert len(predictions) == 8 and "reconstruction" in json.loads(predictions[0])
 
 
-def test_validate_without_checkpoint_reports_the_untrained_inverter(make_config, tmp_path):
-    main(["validate", "--config", str(make_config())])
-    metrics = _metrics(tmp_path / "run", "val")["metrics"]
-    assert "val/lti/token_acc" in metrics and "val/baseline/token_acc" in metrics
+def test_validate_without_checkpoint_reports_the_untrained_inverter_as_untrained(make_config, tmp_path, capsys):
+    main(["validate", "--config", str(make_config(**{"results.print_table": True}))])
+    result = _metrics(tmp_path / "run", "val")
+    assert "val/lti/token_acc" in result["metrics"] and "val/baseline/token_acc" in result["metrics"]
+    assert result["notes"][0].startswith("no checkpoint was loaded: the inverter is untrained")
+    out = capsys.readouterr().out
+    assert "val results (8 updates, untrained inverter)" in out
+    assert "  untrained inverter: " in out and "LTI reconstruction" not in out
+    assert "DataLoader 0" not in out  # the results table replaces Lightning's copy of it
+    main(["predict", "--config", str(make_config())])
+    assert "lti: note: no --ckpt_path: these predictions come from an untrained inverter" in capsys.readouterr().out
+
+
+def _dager_overlay(make_config):
+    # DAGER needs two attention layers; 8 tokens per update stay below d = 16.
+    config = make_config(**{"trainer.max_steps": 1, "data.target.init_args.num_layers": 2, "results.print_table": True})
+    return ["--config", str(config), "--config", str(REPO / "configs/exact/dager.yaml")]
+
+
+def test_validate_with_an_exact_attack_and_no_checkpoint_evaluates_the_exact_attack_alone(make_config, tmp_path, capsys):
+    main(["validate", *_dager_overlay(make_config)])
+    out = capsys.readouterr().out
+    assert "lti: note: no --ckpt_path, so no trained inverter to evaluate: DAGER alone" in out
+    assert "  DAGER reconstruction: 'Held out line 0" in out and "LTI reconstruction" not in out
+    result = _metrics(tmp_path / "run", "val")
+    alone = result["metrics"]
+    assert alone["val/dager/exact_fraction"] == 1.0
+    assert not any(key.startswith(("val/lti/", "val/loss")) for key in alone)  # no untrained inverter
+    samples = [json.loads(line) for line in (tmp_path / "run" / "val_samples.jsonl").read_text().splitlines()]
+    assert len(samples) == result["num_updates"] == 8 and samples[0]["reference"] == samples[0]["dager"]
+    assert not any("lti" in s for s in samples)
+
+    # With a checkpoint both attacks are evaluated; the attack-free baseline is the one reported alone.
+    main(["fit", *_dager_overlay(make_config)])
+    capsys.readouterr()
+    main(["validate", *_dager_overlay(make_config), "--ckpt_path", str(tmp_path / "ckpt" / "last.ckpt")])
+    out = capsys.readouterr().out
+    assert "  LTI reconstruction  : " in out and "  DAGER reconstruction: 'Held out line 0" in out
+    both = _metrics(tmp_path / "run", "val")["metrics"]
+    assert "val/lti/token_acc" in both and both["val/dager/exact_fraction"] == 1.0
+    assert both["val/baseline/token_acc"] == alone["val/baseline/token_acc"]
 
 
 def test_checkpoint_from_another_hash_spec_is_rejected(make_config, tmp_path, capsys):
