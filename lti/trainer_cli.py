@@ -23,6 +23,7 @@ import lti.inverters  # noqa: F401,E402
 from exact.callbacks import ExactAttackCallback
 from lti.curves import LearningCurve
 from lti.exact_only import ExactAttacksOnly
+from lti.final_validation import ValidateAtLastStep
 from lti.results import ResultsWriter
 
 # `model` and `data` take any LightningModule / LightningDataModule by `class_path` (subclass mode);
@@ -87,6 +88,7 @@ def trainer_defaults() -> dict:
         },
         "default_root_dir": "runs",
         "log_every_n_steps": 10,
+        "callbacks": [ValidateAtLastStep()],  # added to the config's callbacks, never replacing them
     }
 
 

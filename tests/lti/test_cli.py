@@ -85,6 +85,19 @@ def test_validate_with_an_exact_attack_and_no_checkpoint_evaluates_the_exact_att
     assert both["val/baseline/token_acc"] == alone["val/baseline/token_acc"]
 
 
+def test_a_fit_shorter_than_its_validation_interval_ends_with_a_validation(make_config, tmp_path, capsys):
+    config = make_config(**{"trainer.max_steps": 3, "trainer.val_check_interval": 4, "results.print_table": True,
+                            "curve.path": str(tmp_path / "curve.csv")})
+    main(["fit", "--config", str(config)])
+    assert _metrics(tmp_path / "run", "val")["global_step"] == 3
+    out = capsys.readouterr().out
+    assert "val results (8 updates)" in out
+    assert torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["global_step"] == 3
+    # A last step that validates anyway validates once.
+    main(["fit", "--config", str(make_config(**{"trainer.val_check_interval": 2, "curve.path": str(tmp_path / "curve2.csv")}))])
+    assert [line.split(",")[0] for line in (tmp_path / "curve2.csv").read_text().splitlines()[1:]] == ["2", "4"]
+
+
 def test_checkpoint_from_another_hash_spec_is_rejected(make_config, tmp_path, capsys):
     config = make_config(**{"trainer.max_steps": 1, "trainer.limit_val_batches": 0})
     main(["fit", "--config", str(config)])
