@@ -21,6 +21,7 @@ import datamodules.text  # noqa: F401,E402
 import datamodules.vision  # noqa: F401,E402
 import lti.inverters  # noqa: F401,E402
 from exact.callbacks import ExactAttackCallback
+from lti.console import describe_checkpoints, quiet_known_noise, quiet_wandb, use_step_progress_bar
 from lti.curves import LearningCurve
 from lti.exact_only import ExactAttacksOnly
 from lti.final_validation import ValidateAtLastStep
@@ -39,10 +40,18 @@ class LTICLI(LightningCLI):
         if self.subclass_mode_model and self.subclass_mode_data:
             parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}, "data": {"class_path": DEFAULT_DATA}})
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
-        parser.set_defaults({"checkpoint.dirpath": "checkpoints", "checkpoint.save_last": True,
+        # `last.ckpt` is a link to the newest step checkpoint, not a second full copy of it.
+        parser.set_defaults({"checkpoint.dirpath": "checkpoints", "checkpoint.save_last": "link",
                              "checkpoint.filename": "step{step}", "checkpoint.auto_insert_metric_name": False})
         parser.add_lightning_class_args(ResultsWriter, "results")
         parser.add_lightning_class_args(LearningCurve, "curve")
+
+    def instantiate_trainer(self, **kwargs):
+        trainer = super().instantiate_trainer(**kwargs)
+        configured = self._get(self.config_init, "trainer", default={}).get("callbacks") or []
+        use_step_progress_bar(trainer, configured if isinstance(configured, list) else [configured])
+        quiet_wandb(trainer.loggers)
+        return trainer
 
     def _say(self, line: str) -> None:
         if self.trainer.is_global_zero:
@@ -77,6 +86,12 @@ class LTICLI(LightningCLI):
     def before_predict(self) -> None:
         if self.config_init["predict"].get("ckpt_path") is None:
             self._say("lti: note: no --ckpt_path: these predictions come from an untrained inverter (random weights)")
+
+    def after_fit(self) -> None:
+        checkpoint = self.trainer.checkpoint_callback
+        line = describe_checkpoints(checkpoint.dirpath) if checkpoint is not None and checkpoint.dirpath else None
+        if line:
+            self._say(line)
 
 
 def trainer_defaults() -> dict:
@@ -165,6 +180,7 @@ def user_message(error: BaseException) -> str:
 
 
 def run(args: list[str] | None = None) -> None:
+    quiet_known_noise()
     # `lti` hands the CLI its arguments explicitly; Lightning's warning about also seeing sys.argv is noise.
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within Python")
     # Our training streams restart at the trainer's restored step (datamodules.training_stream), so a

@@ -1,6 +1,7 @@
 """End-to-end runs of the `lti` CLI on tiny configs (in-process: one Lightning import for all)."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ def test_fit_test_predict_write_results_and_secure_checkpoints(make_config, tmp_
     main(["fit", "--config", str(config)])
     ckpt = tmp_path / "ckpt" / "last.ckpt"
     assert ckpt.exists()
+    assert ckpt.is_symlink() and ckpt.resolve() == tmp_path / "ckpt" / "step4.ckpt"  # one full copy, not two
     state = torch.load(ckpt, weights_only=True)  # tensors and plain data only
     assert state["lti"]["hash_spec"]["num_bins"] > 0 and state["lti"]["setting"]["target"] == "Transformer3"
 
@@ -96,6 +98,24 @@ def test_a_fit_shorter_than_its_validation_interval_ends_with_a_validation(make_
     # A last step that validates anyway validates once.
     main(["fit", "--config", str(make_config(**{"trainer.val_check_interval": 2, "curve.path": str(tmp_path / "curve2.csv")}))])
     assert [line.split(",")[0] for line in (tmp_path / "curve2.csv").read_text().splitlines()[1:]] == ["2", "4"]
+
+
+def test_a_fit_says_where_its_checkpoints_are_and_prints_no_known_noise(make_config, tmp_path, capfd, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    logger = {"class_path": "lightning.pytorch.loggers.WandbLogger",
+              "init_args": {"project": "lti-test", "offline": True, "save_dir": str(tmp_path / "wandb")}}
+    config = make_config(**{"trainer.logger": logger, "trainer.enable_progress_bar": True})
+    main(["fit", "--config", str(config)])
+    import wandb
+
+    wandb.finish()
+    out, err = capfd.readouterr()
+    folder = tmp_path / "ckpt"
+    assert re.search(rf"lti: checkpoints in {re.escape(str(folder))}: step4.ckpt \([\d.]+ kB\), last.ckpt -> step4.ckpt; "
+                     rf"`--ckpt_path {re.escape(str(folder / 'last.ckpt'))}` tests or resumes this run", out)
+    assert "Training steps" in out and "4/4" in out  # the progress bar counts steps up to max_steps
+    for noise in ("Tip:", "litlogger", "anonymous", "Epoch 0/-2", "v_num", "LeafSpec"):
+        assert noise not in out + err, noise
 
 
 def test_checkpoint_from_another_hash_spec_is_rejected(make_config, tmp_path, capsys):
@@ -316,3 +336,14 @@ def test_a_sentences_config_without_its_file_says_which_option_to_pass(capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("lti: error: LocalCorpus needs at least one file: pass --data.corpus.init_args.evaluation_files")
+
+
+def test_the_checkpoint_line_names_sizes_and_links(tmp_path):
+    from lti.console import describe_checkpoints
+
+    assert describe_checkpoints(tmp_path) is None
+    with open(tmp_path / "step1000.ckpt", "wb") as f:
+        f.truncate(734_624_664)  # sparse: the quickstart's size (weights and Adam's two moments)
+    (tmp_path / "last.ckpt").symlink_to("step1000.ckpt")
+    assert describe_checkpoints(tmp_path) == (f"lti: checkpoints in {tmp_path}: step1000.ckpt (735 MB), last.ckpt -> step1000.ckpt; "
+                                              f"`--ckpt_path {tmp_path / 'last.ckpt'}` tests or resumes this run")
