@@ -53,6 +53,26 @@ def describe_mismatch(mismatch: dict) -> str:
     return ", ".join(f"{part} {value.get('name', value) if isinstance(value, dict) else value}" for part, value in mismatch.items())
 
 
+#: Reconstructions shown under each reference in the printed samples: sample key -> label.
+RECONSTRUCTIONS = {"lti": "LTI reconstruction", "dager": "DAGER reconstruction"}
+UNTRAINED = "untrained inverter"
+UNTRAINED_NOTE = ("no checkpoint was loaded: the inverter is untrained (random weights); its scores are a "
+                  "reference for the trained inverter's, not an attack result")
+
+
+def format_samples(samples: list[dict], rows: int, untrained: bool = False) -> str:
+    """Each of the first `rows` references with every attack's reconstruction of it, one per line."""
+    labels = {**RECONSTRUCTIONS, **({"lti": UNTRAINED} if untrained else {})}
+    shown = [r for r in samples if "reference" in r][:rows]
+    keys = [key for key in labels if any(key in r for r in shown)]
+    width = max([len("reference"), *(len(labels[key]) for key in keys)])
+    lines = []
+    for r in shown:
+        lines.append(f"  {'reference':<{width}}: {r['reference']!r}")
+        lines += [f"  {labels[key]:<{width}}: {r[key]!r}" for key in keys if key in r]
+    return "\n".join(lines)
+
+
 class ResultsWriter(Callback):
     def __init__(self, table_rows: int = 10, print_table: bool = True) -> None:
         """
@@ -61,6 +81,8 @@ class ResultsWriter(Callback):
             print_table: Print the metrics and sample tables to stdout.
         """
         self.table_rows, self.print_table = table_rows, print_table
+        # Set by the CLI when it evaluates without a checkpoint (lti.trainer_cli): said in the table and the file.
+        self.untrained_inverter = False
         self._predictions: list[dict] = []
         self._said_mismatch = False
 
@@ -81,8 +103,9 @@ class ResultsWriter(Callback):
                 self._said_mismatch = True
         payload = {"stage": stage, "metrics": metrics, "num_updates": len(samples), "setting": setting,
                    "global_step": trainer.global_step}
-        if getattr(pl_module, "run_notes", None):
-            payload["notes"] = list(pl_module.run_notes)
+        notes = ([UNTRAINED_NOTE] if self.untrained_inverter else []) + list(getattr(pl_module, "run_notes", None) or [])
+        if notes:
+            payload["notes"] = notes
         _write_atomic(root / f"{stage}_metrics.json", json.dumps(payload, indent=2) + "\n")
         _write_atomic(root / f"{stage}_samples.jsonl", "".join(json.dumps(r) + "\n" for r in samples))
         wanted = ("index", "reference", "lti", "dager", "lti_token_acc", "lti_rouge1",  # text
@@ -93,10 +116,15 @@ class ResultsWriter(Callback):
             if isinstance(logger, WandbLogger) and rows:
                 logger.log_table(key=f"{stage}/samples", columns=columns, data=rows)
         if self.print_table:
-            print(f"\n{stage} results ({len(samples)} updates) -> {root / f'{stage}_metrics.json'}")
+            inverter = f", {UNTRAINED}" if self.untrained_inverter else ""
+            updates = f"{len(samples)} update{'' if len(samples) == 1 else 's'}"
+            print(f"\n{stage} results ({updates}{inverter}) -> {root / f'{stage}_metrics.json'}")
+            if self.untrained_inverter:
+                print(f"lti: note: {UNTRAINED_NOTE}")
             print(format_metrics(metrics))
-            for r in [r for r in samples if "reference" in r][: min(3, self.table_rows)]:
-                print(f"  reference     : {r.get('reference', '')!r}\n  reconstruction: {r.get('lti', '')!r}")
+            shown = format_samples(samples, min(3, self.table_rows), self.untrained_inverter)
+            if shown:
+                print(shown)
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.sanity_checking:

@@ -20,7 +20,11 @@ import datamodules.targets.vision  # noqa: F401,E402
 import datamodules.text  # noqa: F401,E402
 import datamodules.vision  # noqa: F401,E402
 import lti.inverters  # noqa: F401,E402
+from exact.callbacks import ExactAttackCallback
+from lti.console import describe_checkpoints, quiet_known_noise, quiet_wandb, use_step_progress_bar
 from lti.curves import LearningCurve
+from lti.exact_only import ExactAttacksOnly
+from lti.final_validation import ValidateAtLastStep
 from lti.results import ResultsWriter
 
 # `model` and `data` take any LightningModule / LightningDataModule by `class_path` (subclass mode);
@@ -36,10 +40,58 @@ class LTICLI(LightningCLI):
         if self.subclass_mode_model and self.subclass_mode_data:
             parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}, "data": {"class_path": DEFAULT_DATA}})
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
-        parser.set_defaults({"checkpoint.dirpath": "checkpoints", "checkpoint.save_last": True,
+        # `last.ckpt` is a link to the newest step checkpoint, not a second full copy of it.
+        parser.set_defaults({"checkpoint.dirpath": "checkpoints", "checkpoint.save_last": "link",
                              "checkpoint.filename": "step{step}", "checkpoint.auto_insert_metric_name": False})
         parser.add_lightning_class_args(ResultsWriter, "results")
         parser.add_lightning_class_args(LearningCurve, "curve")
+
+    def instantiate_trainer(self, **kwargs):
+        trainer = super().instantiate_trainer(**kwargs)
+        configured = self._get(self.config_init, "trainer", default={}).get("callbacks") or []
+        use_step_progress_bar(trainer, configured if isinstance(configured, list) else [configured])
+        quiet_wandb(trainer.loggers)
+        return trainer
+
+    def _say(self, line: str) -> None:
+        if self.trainer.is_global_zero:
+            print(line)
+
+    def _results_writer(self) -> ResultsWriter | None:
+        return next((c for c in self.trainer.callbacks if isinstance(c, ResultsWriter)), None)
+
+    def _choose_what_to_evaluate(self, subcommand: str, stage: str) -> None:
+        """Decides what `lti validate|test` evaluates: without a checkpoint the inverter is untrained, so
+        when exact attacks run in this stage they are evaluated alone (`ExactAttacksOnly`); otherwise the
+        untrained inverter is evaluated and its results say so."""
+        writer = self._results_writer()
+        if writer is not None and writer.print_table:
+            self.config_init[subcommand]["verbose"] = False  # the results table replaces Lightning's copy of it
+        if self.config_init[subcommand].get("ckpt_path") is not None:
+            return
+        exact = [c for c in self.trainer.callbacks if isinstance(c, ExactAttackCallback) and stage in c.stages]
+        if exact:
+            self.model = ExactAttacksOnly()
+            names = " and ".join(dict.fromkeys(c.attack_name for c in exact))
+            self._say(f"lti: note: no --ckpt_path, so no trained inverter to evaluate: {names} alone")
+        elif writer is not None:
+            writer.untrained_inverter = True
+
+    def before_validate(self) -> None:
+        self._choose_what_to_evaluate("validate", "val")
+
+    def before_test(self) -> None:
+        self._choose_what_to_evaluate("test", "test")
+
+    def before_predict(self) -> None:
+        if self.config_init["predict"].get("ckpt_path") is None:
+            self._say("lti: note: no --ckpt_path: these predictions come from an untrained inverter (random weights)")
+
+    def after_fit(self) -> None:
+        checkpoint = self.trainer.checkpoint_callback
+        line = describe_checkpoints(checkpoint.dirpath) if checkpoint is not None and checkpoint.dirpath else None
+        if line:
+            self._say(line)
 
 
 def trainer_defaults() -> dict:
@@ -51,6 +103,7 @@ def trainer_defaults() -> dict:
         },
         "default_root_dir": "runs",
         "log_every_n_steps": 10,
+        "callbacks": [ValidateAtLastStep()],  # added to the config's callbacks, never replacing them
     }
 
 
@@ -127,6 +180,7 @@ def user_message(error: BaseException) -> str:
 
 
 def run(args: list[str] | None = None) -> None:
+    quiet_known_noise()
     # `lti` hands the CLI its arguments explicitly; Lightning's warning about also seeing sys.argv is noise.
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within Python")
     # Our training streams restart at the trainer's restored step (datamodules.training_stream), so a

@@ -38,6 +38,7 @@ LIGHTNING_WRAPPERS = {
     "datamodules.inversion_data", "datamodules.text_inversion", "datamodules.vision_inversion",
     "exact.callbacks", "exact.callbacks.base", "exact.callbacks.dager", "exact.callbacks.spear",
     "lti.module", "lti.vision_module", "lti.results", "lti.curves", "lti.trainer_cli",
+    "lti.console", "lti.exact_only", "lti.final_validation",
 }
 
 

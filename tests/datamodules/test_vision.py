@@ -236,11 +236,12 @@ def test_vision_lti_fit_test_predict_write_metrics_png_and_checkpoint(tmp_path):
 def test_spear_overlay_runs_next_to_vision_lti_and_recovers_undefended_batches(tmp_path):
     from lti.cli import main
 
-    # Untrained inverter (no checkpoint), SPEAR on layers.0 (width 64): 2 images per update.
+    # No checkpoint, so no trained inverter: SPEAR alone (lti.exact_only) on layers.0 (width 64), 2 images per update.
     main(["test", "--config", _vision_config(tmp_path), "--config", "configs/exact/spear_fcnn.yaml",
           "--data.init_args.target.init_args.hidden", "64"])
-    metrics = json.loads((tmp_path / "run" / "test_metrics.json").read_text())["metrics"]
-    assert "test/lti/mse" in metrics
+    result = json.loads((tmp_path / "run" / "test_metrics.json").read_text())
+    metrics = result["metrics"]
+    assert "test/lti/mse" not in metrics and 0.0 < metrics["test/baseline/mse"] < 1.0 and result["num_updates"] == 8
     assert metrics["test/spear/exact_fraction"] == pytest.approx(1.0)
     assert metrics["test/spear/rows_recovered"] == pytest.approx(1.0)
     assert metrics["test/spear/psnr"] > 100.0

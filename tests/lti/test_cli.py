@@ -1,6 +1,7 @@
 """End-to-end runs of the `lti` CLI on tiny configs (in-process: one Lightning import for all)."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ def test_fit_test_predict_write_results_and_secure_checkpoints(make_config, tmp_
     main(["fit", "--config", str(config)])
     ckpt = tmp_path / "ckpt" / "last.ckpt"
     assert ckpt.exists()
+    assert ckpt.is_symlink() and ckpt.resolve() == tmp_path / "ckpt" / "step4.ckpt"  # one full copy, not two
     state = torch.load(ckpt, weights_only=True)  # tensors and plain data only
     assert state["lti"]["hash_spec"]["num_bins"] > 0 and state["lti"]["setting"]["target"] == "Transformer3"
 
@@ -42,10 +44,78 @@ def test_fit_test_predict_write_results_and_secure_checkpoints(make_config, tmp_
     assert len(predictions) == 8 and "reconstruction" in json.loads(predictions[0])
 
 
-def test_validate_without_checkpoint_reports_the_untrained_inverter(make_config, tmp_path):
-    main(["validate", "--config", str(make_config())])
-    metrics = _metrics(tmp_path / "run", "val")["metrics"]
-    assert "val/lti/token_acc" in metrics and "val/baseline/token_acc" in metrics
+def test_validate_without_checkpoint_reports_the_untrained_inverter_as_untrained(make_config, tmp_path, capsys):
+    main(["validate", "--config", str(make_config(**{"results.print_table": True}))])
+    result = _metrics(tmp_path / "run", "val")
+    assert "val/lti/token_acc" in result["metrics"] and "val/baseline/token_acc" in result["metrics"]
+    assert result["notes"][0].startswith("no checkpoint was loaded: the inverter is untrained")
+    out = capsys.readouterr().out
+    assert "val results (8 updates, untrained inverter)" in out
+    assert "  untrained inverter: " in out and "LTI reconstruction" not in out
+    assert "DataLoader 0" not in out  # the results table replaces Lightning's copy of it
+    main(["predict", "--config", str(make_config())])
+    assert "lti: note: no --ckpt_path: these predictions come from an untrained inverter" in capsys.readouterr().out
+
+
+def _dager_overlay(make_config):
+    # DAGER needs two attention layers; 8 tokens per update stay below d = 16.
+    config = make_config(**{"trainer.max_steps": 1, "data.target.init_args.num_layers": 2, "results.print_table": True})
+    return ["--config", str(config), "--config", str(REPO / "configs/exact/dager.yaml")]
+
+
+def test_validate_with_an_exact_attack_and_no_checkpoint_evaluates_the_exact_attack_alone(make_config, tmp_path, capsys):
+    main(["validate", *_dager_overlay(make_config)])
+    out = capsys.readouterr().out
+    assert "lti: note: no --ckpt_path, so no trained inverter to evaluate: DAGER alone" in out
+    assert "  DAGER reconstruction: 'Held out line 0" in out and "LTI reconstruction" not in out
+    result = _metrics(tmp_path / "run", "val")
+    alone = result["metrics"]
+    assert alone["val/dager/exact_fraction"] == 1.0
+    assert not any(key.startswith(("val/lti/", "val/loss")) for key in alone)  # no untrained inverter
+    samples = [json.loads(line) for line in (tmp_path / "run" / "val_samples.jsonl").read_text().splitlines()]
+    assert len(samples) == result["num_updates"] == 8 and samples[0]["reference"] == samples[0]["dager"]
+    assert not any("lti" in s for s in samples)
+
+    # With a checkpoint both attacks are evaluated; the attack-free baseline is the one reported alone.
+    main(["fit", *_dager_overlay(make_config)])
+    capsys.readouterr()
+    main(["validate", *_dager_overlay(make_config), "--ckpt_path", str(tmp_path / "ckpt" / "last.ckpt")])
+    out = capsys.readouterr().out
+    assert "  LTI reconstruction  : " in out and "  DAGER reconstruction: 'Held out line 0" in out
+    both = _metrics(tmp_path / "run", "val")["metrics"]
+    assert "val/lti/token_acc" in both and both["val/dager/exact_fraction"] == 1.0
+    assert both["val/baseline/token_acc"] == alone["val/baseline/token_acc"]
+
+
+def test_a_fit_shorter_than_its_validation_interval_ends_with_a_validation(make_config, tmp_path, capsys):
+    config = make_config(**{"trainer.max_steps": 3, "trainer.val_check_interval": 4, "results.print_table": True,
+                            "curve.path": str(tmp_path / "curve.csv")})
+    main(["fit", "--config", str(config)])
+    assert _metrics(tmp_path / "run", "val")["global_step"] == 3
+    out = capsys.readouterr().out
+    assert "val results (8 updates)" in out
+    assert torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["global_step"] == 3
+    # A last step that validates anyway validates once.
+    main(["fit", "--config", str(make_config(**{"trainer.val_check_interval": 2, "curve.path": str(tmp_path / "curve2.csv")}))])
+    assert [line.split(",")[0] for line in (tmp_path / "curve2.csv").read_text().splitlines()[1:]] == ["2", "4"]
+
+
+def test_a_fit_says_where_its_checkpoints_are_and_prints_no_known_noise(make_config, tmp_path, capfd, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    logger = {"class_path": "lightning.pytorch.loggers.WandbLogger",
+              "init_args": {"project": "lti-test", "offline": True, "save_dir": str(tmp_path / "wandb")}}
+    config = make_config(**{"trainer.logger": logger, "trainer.enable_progress_bar": True})
+    main(["fit", "--config", str(config)])
+    import wandb
+
+    wandb.finish()
+    out, err = capfd.readouterr()
+    folder = tmp_path / "ckpt"
+    assert re.search(rf"lti: checkpoints in {re.escape(str(folder))}: step4.ckpt \([\d.]+ kB\), last.ckpt -> step4.ckpt; "
+                     rf"`--ckpt_path {re.escape(str(folder / 'last.ckpt'))}` tests or resumes this run", out)
+    assert "Training steps" in out and "4/4" in out  # the progress bar counts steps up to max_steps
+    for noise in ("Tip:", "litlogger", "anonymous", "Epoch 0/-2", "v_num", "LeafSpec"):
+        assert noise not in out + err, noise
 
 
 def test_checkpoint_from_another_hash_spec_is_rejected(make_config, tmp_path, capsys):
@@ -266,3 +336,14 @@ def test_a_sentences_config_without_its_file_says_which_option_to_pass(capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("lti: error: LocalCorpus needs at least one file: pass --data.corpus.init_args.evaluation_files")
+
+
+def test_the_checkpoint_line_names_sizes_and_links(tmp_path):
+    from lti.console import describe_checkpoints
+
+    assert describe_checkpoints(tmp_path) is None
+    with open(tmp_path / "step1000.ckpt", "wb") as f:
+        f.truncate(734_624_664)  # sparse: the quickstart's size (weights and Adam's two moments)
+    (tmp_path / "last.ckpt").symlink_to("step1000.ckpt")
+    assert describe_checkpoints(tmp_path) == (f"lti: checkpoints in {tmp_path}: step1000.ckpt (735 MB), last.ckpt -> step1000.ckpt; "
+                                              f"`--ckpt_path {tmp_path / 'last.ckpt'}` tests or resumes this run")

@@ -81,8 +81,9 @@ def test_gradient_accumulation_is_refused_in_one_line(tmp_path, corpus_files, ca
 def test_curve_rows_after_the_resumed_step_are_dropped(tmp_path, corpus_files):
     folder = _fit(tmp_path, corpus_files, "run", 2 * N, **{"checkpoint.save_top_k": -1})
     assert [int(r["step"]) for r in csv.DictReader((folder / "curve.csv").open())] == [N, 2 * N]
-    # Resume from the step-N checkpoint and stop before the next validation: the interrupted run's
-    # row for 2N (written after that checkpoint) is gone, the row for N stays.
+    # Resume from the step-N checkpoint and stop before the next interval's validation: the interrupted
+    # run's row for 2N (written after that checkpoint) is gone, the row for N stays, and the run's last
+    # step adds its own (lti.final_validation).
     _fit(tmp_path, corpus_files, "run", N + 1, ckpt=folder / "ckpt" / f"step{N}.ckpt", **{"checkpoint.save_top_k": -1})
     rows = list(csv.DictReader((folder / "curve.csv").open()))
-    assert [int(r["step"]) for r in rows] == [N]
+    assert [int(r["step"]) for r in rows] == [N, N + 1]
