@@ -28,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from datamodules.federated import FedAvgClient  # noqa: E402
+from datamodules.federated import FedAvgClient, Hashing  # noqa: E402
 from datamodules.targets import Transformer3  # noqa: E402
 from datamodules.text_inversion import TextInversionDataModule  # noqa: E402
 from exact import Dager  # noqa: E402
@@ -41,7 +41,7 @@ def observed_batch(dtype: str, epochs: int, minibatch: int, seed: int):
     torch.manual_seed(seed)
     client = FedAvgClient("eval", 4, local_epochs=epochs, minibatch_size=minibatch, lr=0.01, dtype=dtype)
     data = TextInversionDataModule(
-        target=Transformer3(dropout=0.1), client=client, hash_fraction=0.02, batch_size=32, eval_samples=32,
+        target=Transformer3(dropout=0.1), client=client, hashing=Hashing(fraction=0.02), batch_size=32, eval_samples=32,
     )
     data.setup("test")
     torch.manual_seed(seed)
