@@ -77,13 +77,14 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from datamodules.federated import GaussianNoise, NoDefense, Sign, TopKPruning
+    from datamodules.federated import GaussianNoise, Hashing, NoDefense, Sign, TopKPruning
     from datamodules.text_inversion import TextInversionDataModule
     from lti.inverters import build_inverter
     from lti.loss import InverterLoss
 
     defenses = {"none": NoDefense(), "sign": Sign(), "prune": TopKPruning(0.99), "gauss": GaussianNoise(0.01)}
-    data = TextInversionDataModule(defense=defenses[args.defense], hash_fraction=args.hash_fraction, batch_size=args.batch)
+    data = TextInversionDataModule(defense=defenses[args.defense], hashing=Hashing(fraction=args.hash_fraction),
+                                   batch_size=args.batch)
     data.setup("fit")
     batch = next(iter(data.train_dataloader()))
     fields = data.client_batch(batch)

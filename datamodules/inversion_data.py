@@ -1,23 +1,42 @@
-"""What the text and the image/table inversion DataModules share: the server's observation pipeline,
-grouping samples into client updates, the loaders, and computing the observed updates per batch.
+"""What the text and the image/table inversion DataModules share: what the server observes and how
+(the observation settings, declared once here), grouping samples into client updates, the loaders,
+and computing the observed updates per batch.
 
 A subclass supplies the client's loss (which batch fields a client holds), the data (`setup` fills
-`self._splits` with `ClientUpdates`) and what it adds to the threat-model summary. The observed
+`self._splits` with `ClientUpdates`) and what it adds to the threat-model summary; it forwards the
+shared arguments (`**kwargs`) here, so `lti fit --help` lists them under the subclass. The observed
 updates are computed on the batch's device in `on_after_batch_transfer`: training batches carry the
 hashed features; evaluation batches also the defended update itself (`batch["update"]`) for the
 exact attacks. The client's own data travels in the batch only for the losses and the metrics.
+What the attacks may read from a DataModule is declared in `datamodules.attack_data`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
 import torch
+from jsonargparse import lazy_instance
 from lightning.pytorch import LightningDataModule
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from datamodules.client_updates import ClientUpdates
-from datamodules.federated import ClientProtocol, Defense, Hashing, ParameterSelection, UpdatePipeline
+from datamodules.federated import (
+    ClientProtocol,
+    Defense,
+    FedSGDClient,
+    Hashing,
+    NoDefense,
+    ParameterSelection,
+    UpdatePipeline,
+)
 from datamodules.federated.losses import ClientLoss
+from datamodules.observation_cache import CacheOptions, ObservationCache
+from datamodules.registry import materialize
 from datamodules.training_stream import EVALUATION, OBSERVATION, AuxiliaryStream, TrainingStream, seeded, step_seed
 
 
@@ -29,6 +48,24 @@ def check_sizes(batch_size: int, train_samples: int | None, eval_samples: int | 
             raise ValueError(f"{name}={value} must be >= 1 or null")
 
 
+def deprecated(old: str, new: str) -> None:
+    """One line when a config uses a key that was renamed (it still works for one release)."""
+    warnings.warn(f"data.{old} is deprecated and will be removed in the next release; use data.{new}", FutureWarning,
+                  stacklevel=4)
+
+
+@dataclass(frozen=True)
+class ObservationSettings:
+    """What the server observes and how, the same for every modality: the client protocol, the
+    defense, the observed parameters, the hashing of the observed update and the observation cache."""
+
+    client: ClientProtocol
+    defense: Defense
+    observed: ParameterSelection
+    hashing: Hashing
+    cache: CacheOptions
+
+
 class InversionDataModule(LightningDataModule):
     """Base of the inversion DataModules (not used on its own)."""
 
@@ -37,24 +74,108 @@ class InversionDataModule(LightningDataModule):
     train_split = "auxiliary"
     prior_split = "auxiliary"
     eval_splits = {"val": "evaluation", "test": "evaluation"}
+    #: What differs by modality, with the value of a modality that has none (datamodules.attack_data).
+    seq_len: int | None = None  # tokens per sequence (text)
+    tokenizer: Any | None = None  # text
 
-    def _build_pipeline(
-        self, target: nn.Module, loss: ClientLoss, client: ClientProtocol, defense: Defense, observed: ParameterSelection,
-        hashing: Hashing, batch_size: int, train_samples: int | None, eval_samples: int | None, keep_eval_updates: bool,
-        num_workers: int, seed: int, observation_cache: str | None = None, rebuild_observation_cache: bool = False,
+    def __init__(
+        self,
+        client: ClientProtocol = lazy_instance(FedSGDClient),
+        defense: Defense = lazy_instance(NoDefense),
+        observed: ParameterSelection = lazy_instance(ParameterSelection),
+        hashing: Hashing = Hashing(),
+        cache: CacheOptions = CacheOptions(),
+        batch_size: int = 64,
+        train_samples: int | None = None,
+        eval_samples: int | None = 1000,
+        keep_eval_updates: bool = True,
+        num_workers: int = 0,
+        seed: int = 0,
+        hash_fraction: float | None = None,
+        hash_bins: int | None = None,
+        hash_seed: int | None = None,
+        hash_signed: bool | None = None,
+        observation_cache: str | None = None,
+        rebuild_observation_cache: bool | None = None,
     ) -> None:
-        self.client = client
-        self.pipeline = UpdatePipeline(target, client, defense, observed, hashing, loss)
-        self.target = self.pipeline.target  # the protocol's view of the global model (LoRA: with adapters)
+        """
+        Args:
+            client: The client protocol, how a client computes its update: `FedSGDClient` (default:
+                train mode, one sample per update), `FedAvgClient` (local epochs of SGD, sends the
+                weight delta) or `LoRAClient` (peft adapters only). Its `samples_per_update` is m,
+                the samples (text: sequences) of one update. Training and evaluation updates both
+                come from it, so the learned attacks train against the protocol they attack.
+            defense: Client-side defense (default: none); under FedAvg DP-SGD acts on every local
+                step and the other defenses on the delta sent.
+            observed: Which parameters the server observes (default: all but a text model's
+                embedding/decoder; `preset: layer0_ffn_in` etc. for partial observation; LoRA keeps
+                only adapters).
+            hashing: How the observed update is hashed: `fraction` of its dimension as bins (paper:
+                0.1) or exactly `bins` (overrides `fraction`), the mmh3 `seed`, and `signed` (a hashed
+                +-1 sign per coordinate before summing; paper: unsigned).
+            cache: The observation cache of the training updates: `path`, a folder where the hashed
+                updates are computed once, stored as float16 and read from disk every epoch (a
+                deterministic client on a fixed training split; a deterministic defense, optionally
+                followed by Gaussian noise; datamodules/observation_cache.py), None: computed on the
+                fly; `rebuild: true` rebuilds a cache built for other observations (else refused).
+            batch_size: Client updates per batch.
+            train_samples: Use at most this many auxiliary samples (None: all).
+            eval_samples: Evaluate on the first this many held-out samples, grouped into updates of m
+                (None: all; paper: 1000 sequences).
+            keep_eval_updates: Put the defended update into evaluation batches (needed by exact attacks).
+            num_workers: DataLoader workers of the evaluation loaders (training batches are an index or a
+                draw made in the main process, so that a resumed run continues exactly; the update
+                computation runs in the main process too).
+            seed: Seed of the grouping of samples into updates (and of text's pseudo-data draws).
+            hash_fraction: Deprecated: use hashing.fraction.
+            hash_bins: Deprecated: use hashing.bins.
+            hash_seed: Deprecated: use hashing.seed.
+            hash_signed: Deprecated: use hashing.signed.
+            observation_cache: Deprecated: use cache.path.
+            rebuild_observation_cache: Deprecated: use cache.rebuild.
+        """
+        super().__init__()
+        check_sizes(batch_size, train_samples, eval_samples)
+        renamed = {"fraction": hash_fraction, "bins": hash_bins, "seed": hash_seed, "signed": hash_signed}
+        for field, value in renamed.items():
+            if value is not None:
+                deprecated(f"hash_{field}", f"hashing.{field}")
+                hashing = dataclasses.replace(hashing, **{field: value})
+        for old, field, value in (("observation_cache", "path", observation_cache),
+                                  ("rebuild_observation_cache", "rebuild", rebuild_observation_cache)):
+            if value is not None:
+                deprecated(old, f"cache.{field}")
+                cache = dataclasses.replace(cache, **{field: value})
+        self.observation = ObservationSettings(materialize(client), materialize(defense), materialize(observed),
+                                               hashing, cache)
         self.batch_size, self.train_samples, self.eval_samples = batch_size, train_samples, eval_samples
         self.keep_eval_updates, self.num_workers, self.seed = keep_eval_updates, num_workers, seed
         self._splits: dict[str, ClientUpdates] | None = None
-        self.observation_cache, self.rebuild_observation_cache = observation_cache, rebuild_observation_cache
         self._cache = None
+
+    def _build_pipeline(self, target: nn.Module, loss: ClientLoss) -> None:
+        """The server's observation of `target` under the observation settings, with the client's loss."""
+        settings = self.observation
+        self.pipeline = UpdatePipeline(target, settings.client, settings.defense, settings.observed, settings.hashing, loss)
+        self.target = self.pipeline.target  # the protocol's view of the global model (LoRA: with adapters)
+
+    @property
+    def client(self) -> ClientProtocol:
+        return self.observation.client
 
     @property
     def samples_per_update(self) -> int:
+        """m: the samples (text: sequences) of one client update."""
         return self.client.samples_per_update
+
+    @property
+    def table_columns(self) -> list[tuple[str, str, slice]]:
+        """Tables: [(column name, 'continuous' | 'discrete', slice of the row)]; empty for text and images."""
+        return []
+
+    def destandardize(self, rows: Tensor) -> Tensor:
+        """Tables: standardised rows (..., F) -> original units."""
+        raise ValueError(f"{type(self).__name__} holds no table: only table rows can be de-standardised")
 
     def _as_updates(self, limit: int | None, shuffle: bool, **fields: Tensor) -> ClientUpdates:
         """Samples (fields (N, ...)) -> client updates of m samples (fields (N // m, m, ...)); with
@@ -95,7 +216,7 @@ class InversionDataModule(LightningDataModule):
         return 0 if self.trainer is None else self.trainer.global_step
 
     def train_dataloader(self) -> DataLoader:
-        cache = self._open_cache() if self.observation_cache else None
+        cache = self._open_cache() if self.observation.cache.path else None
         return self._stream_loader(AuxiliaryStream(
             self._splits[self.train_split], self.batch_size, self.seed, self._rank(), self._world_size(),
             self.training_position, features=cache.features if cache is not None else None,
@@ -104,8 +225,6 @@ class InversionDataModule(LightningDataModule):
     def _open_cache(self):
         """The observation cache of the auxiliary updates (built on rank 0 first; the others wait, so
         with several nodes the folder must be on a shared file system)."""
-        from datamodules.observation_cache import ObservationCache
-
         if self._cache is None:
             distributed = self.trainer is not None and self.trainer.world_size > 1
             builder = self._rank() == 0
@@ -114,8 +233,8 @@ class InversionDataModule(LightningDataModule):
             if self.trainer is not None:  # build on the run's device (a GPU computes the updates far faster)
                 self.pipeline.to(self.trainer.strategy.root_device)
             try:
-                self._cache = ObservationCache(self.observation_cache, self.pipeline, self._splits[self.train_split],
-                                               self.batch_size, rebuild=self.rebuild_observation_cache and builder,
+                self._cache = ObservationCache(self.observation.cache.path, self.pipeline, self._splits[self.train_split],
+                                               self.batch_size, rebuild=self.observation.cache.rebuild and builder,
                                                client_batch=self.client_batch, build=builder)
             finally:
                 if distributed and builder:  # release the other ranks even when the build failed
@@ -180,6 +299,7 @@ class InversionDataModule(LightningDataModule):
             "observed_parameters": len(self.pipeline.names),
             "observed_dim": self.pipeline.observed_dim,
             "hash_bins": self.pipeline.spec.num_bins,
+            "samples_per_update": self.samples_per_update,
             **self._describe_data(),
         }
         # DP-SGD reports its (epsilon, delta) for one client's local steps under this protocol.

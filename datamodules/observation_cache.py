@@ -1,11 +1,12 @@
 """Cached observations: the hashed updates of the auxiliary split, computed once and read from disk.
 
 When a client's update is a deterministic function of its data (dropout 0 or eval mode, as the LTI
-paper's transformer3), the hashed update of an auxiliary sample never changes: for no defense, sign
-and pruning alike. Gaussian noise is added after hashing, per bin with variance sigma^2 * (observed
-coordinates in the bin), which has exactly the distribution of per-coordinate noise hashed (a sum of
-independent normals), and is fresh for every batch. So one pass over the auxiliary data feeds every
-epoch of LTI.
+paper's transformer3), the hashed update of an auxiliary sample never changes under a deterministic
+defense (none, sign, pruning). A defense that is a deterministic part followed by Gaussian noise
+(`Defense.split_noise`: sigma per coordinate) has its deterministic part cached and the noise added
+after hashing, per bin with variance sigma^2 * (observed coordinates in the bin), which has exactly
+the distribution of per-coordinate noise hashed (a sum of independent normals), and is fresh for
+every batch. So one pass over the auxiliary data feeds every epoch of LTI.
 
 On disk (one folder): `features.npy`, float16 (N, k) rows scaled to unit RMS (raw gradients can be
 smaller than float16's normal range), `scales.npy` (N,) float32 row scales, and `meta.json` (the key
@@ -22,6 +23,7 @@ import hashlib
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -29,13 +31,19 @@ import torch
 from torch import Tensor
 
 from datamodules.client_updates import ClientUpdates
-from datamodules.federated import GaussianNoise, NoDefense, Sign, TopKPruning
+from datamodules.federated import Defense
 from datamodules.federated.pipeline import UpdatePipeline
 from datamodules.training_stream import seeded
 
 FORMAT_VERSION = 1
-#: Defenses whose defended update is a deterministic function of the client update.
-DETERMINISTIC_DEFENSES = (NoDefense, Sign, TopKPruning)
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    """Whether and where a DataModule caches its training observations (`data.cache`)."""
+
+    path: str | None = None  # the cache folder; None: observations are computed on the fly
+    rebuild: bool = False  # rebuild a cache built for other observations (else it is refused, naming the difference)
 
 
 def _digest(*tensors: Tensor) -> str:
@@ -61,17 +69,15 @@ def computation_fingerprint(module: torch.nn.Module) -> str:
     return digest.hexdigest()[:16]
 
 
-def cached_defense(pipeline: UpdatePipeline) -> tuple[dict, float]:
-    """(what the cached features hold, sigma of the per-bin noise added when reading them)."""
-    defense = pipeline.defense
-    if isinstance(defense, DETERMINISTIC_DEFENSES):
-        return defense.describe(), 0.0
-    if isinstance(defense, GaussianNoise):
-        return NoDefense().describe(), defense.sigma
-    raise ValueError(
-        f"observations under {type(defense).__name__} cannot be cached (only none, sign, pruning and Gaussian "
-        "noise); drop data.observation_cache to compute them on the fly"
-    )
+def cached_defense(pipeline: UpdatePipeline) -> tuple[Defense, float]:
+    """(the defense whose output the cache holds, sigma of the per-coordinate noise added when reading)."""
+    split = pipeline.defense.split_noise()
+    if split is None:
+        raise ValueError(
+            f"observations under {type(pipeline.defense).__name__} cannot be cached (only a deterministic defense, "
+            "optionally followed by Gaussian noise); drop data.cache.path to compute them on the fly"
+        )
+    return split
 
 
 def cache_key(pipeline: UpdatePipeline, updates: ClientUpdates) -> dict:
@@ -82,7 +88,7 @@ def cache_key(pipeline: UpdatePipeline, updates: ClientUpdates) -> dict:
         "target": pipeline.spec.target_fingerprint,
         "target_computation": computation_fingerprint(pipeline.target),
         "client": pipeline.client.describe(),
-        "defense": stored,
+        "defense": stored.describe(),
         "samples": _digest(*updates.fields.values()),
         "rows": len(updates),
         "bins": pipeline.spec.num_bins,
@@ -111,7 +117,7 @@ class ObservationCache:
         self.path, self.pipeline, self.updates = Path(path), pipeline, updates
         self.client_batch = client_batch or (lambda batch: {k: v for k, v in batch.items() if k in pipeline.loss.fields})
         self.key = json.loads(json.dumps(cache_key(pipeline, updates)))  # as it reads back from meta.json
-        self.noise_sigma = cached_defense(pipeline)[1]
+        self.stored_defense, self.noise_sigma = cached_defense(pipeline)
         meta = self.path / "meta.json"
         if self.path.exists():
             if not meta.is_file() and rebuild:
@@ -122,7 +128,7 @@ class ObservationCache:
             difference = key_difference(json.loads(meta.read_text())["key"], self.key)
             if difference is not None and not rebuild:
                 raise ValueError(f"observation cache {str(self.path)!r} was built for other observations ({difference}); "
-                                 "set data.rebuild_observation_cache true or choose another path")
+                                 "set data.cache.rebuild true or choose another path")
             if difference is not None:
                 shutil.rmtree(self.path)
         if not self.path.exists() and not build:
@@ -153,7 +159,6 @@ class ObservationCache:
         try:
             features = np.lib.format.open_memmap(tmp / "features.npy", mode="w+", dtype=np.float16, shape=(rows, bins))
             scales = np.zeros(rows, dtype=np.float32)
-            stored_defense = self.pipeline.defense if self.noise_sigma == 0 else NoDefense()
             iterator = range(0, rows, batch_size)
             if progress:
                 from tqdm.auto import tqdm
@@ -162,10 +167,10 @@ class ObservationCache:
             for start in iterator:
                 index = torch.arange(start, min(start + batch_size, rows))
                 batch = {name: value[index] for name, value in self.updates.fields.items()}
-                clean = self._observe(batch, stored_defense, seed=0)
-                if start == 0 and not torch.equal(clean, self._observe(batch, stored_defense, seed=1)):
+                clean = self._observe(batch, seed=0)
+                if start == 0 and not torch.equal(clean, self._observe(batch, seed=1)):
                     raise ValueError("client updates are random (dropout in train mode?): caching would freeze one draw; "
-                                     "use a deterministic client or drop data.observation_cache")
+                                     "use a deterministic client or drop data.cache.path")
                 scale = clean.pow(2).mean(dim=1).sqrt().clamp_min(1e-30)
                 features[start : start + len(index)] = (clean / scale[:, None]).numpy().astype(np.float16)
                 scales[start : start + len(index)] = scale.numpy()
@@ -177,16 +182,12 @@ class ObservationCache:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    def _observe(self, batch: dict, defense, seed: int) -> Tensor:
+    def _observe(self, batch: dict, seed: int) -> Tensor:
+        """The hashed updates of a batch under the defense's deterministic part (its noise comes when reading)."""
         device = self.pipeline.hasher.bins.device
         fields = {name: value.to(device) for name, value in self.client_batch(batch).items()}
-        saved = self.pipeline.defense
-        self.pipeline.defense = defense
-        try:
-            with seeded(device, seed):
-                return self.pipeline(fields).features.float().cpu()
-        finally:
-            self.pipeline.defense = saved
+        with seeded(device, seed):
+            return self.pipeline(fields, defense=self.stored_defense).features.float().cpu()
 
     def __len__(self) -> int:
         return self._features.shape[0]

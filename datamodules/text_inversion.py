@@ -16,16 +16,8 @@ from jsonargparse import lazy_instance
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from datamodules.federated import (
-    ClientProtocol,
-    Defense,
-    FedSGDClient,
-    Hashing,
-    NextTokenLoss,
-    NoDefense,
-    ParameterSelection,
-)
-from datamodules.inversion_data import InversionDataModule, check_sizes
+from datamodules.federated import NextTokenLoss
+from datamodules.inversion_data import InversionDataModule
 from datamodules.inversion_spec import InversionSpec
 from datamodules.registry import materialize
 from datamodules.targets import TargetLM, Transformer3
@@ -52,23 +44,9 @@ class TextInversionDataModule(InversionDataModule):
         marginal_file: str | None = None,
         seq_len: int = 16,
         packing: Literal["blocks", "lines"] = "blocks",
-        client: ClientProtocol = lazy_instance(FedSGDClient),
-        defense: Defense = lazy_instance(NoDefense),
-        observed: ParameterSelection = lazy_instance(ParameterSelection),
-        hash_fraction: float = 0.1,
-        hash_bins: int | None = None,
-        hash_seed: int = 0,
-        hash_signed: bool = False,
-        batch_size: int = 64,
-        train_samples: int | None = None,
-        eval_samples: int | None = 1000,
         pseudo_batches_per_epoch: int | None = None,
         pseudo_pool_size: int | None = None,
-        keep_eval_updates: bool = True,
-        num_workers: int = 0,
-        seed: int = 0,
-        observation_cache: str | None = None,
-        rebuild_observation_cache: bool = False,
+        **kwargs,
     ) -> None:
         """
         Args:
@@ -78,41 +56,16 @@ class TextInversionDataModule(InversionDataModule):
             training_data: `auxiliary` (LTI: real auxiliary text), `pseudo` (LTI-P: i.i.d. tokens
                 from the auxiliary corpus' unigram distribution, freshly drawn for every batch) or
                 `pseudo_pool` (LTI-P from a fixed pool of such blocks drawn once with `seed`, reused
-                every epoch like auxiliary data, so its updates can be cached with `observation_cache`).
+                every epoch like auxiliary data, so its updates can be cached with `cache.path`).
             marginal_file: Token counts (.npy/.pt/.json) to use instead of counting the auxiliary corpus.
             seq_len: Tokens per sequence L.
             packing: `blocks` (running text cut into L-token blocks) or `lines` (one sample per row, padded).
-            client: The client protocol, how a client computes its update: `FedSGDClient` (default:
-                train mode, one sequence per update), `FedAvgClient` (local epochs of SGD, sends the
-                weight delta) or `LoRAClient` (peft adapters only). Training and evaluation updates
-                both come from it, so LTI and LTI-P train against the protocol they attack.
-            defense: Client-side defense (default: none); under FedAvg DP-SGD acts on every local
-                step and the other defenses on the delta sent.
-            observed: Which parameters the server observes (default: all but embedding/decoder;
-                `preset: layer0_ffn_in` etc. for partial observation; LoRA keeps only adapters).
-            hash_fraction: Hashed features k as a fraction of the observed dimension (paper: 0.1).
-            hash_bins: Exact k; overrides `hash_fraction`.
-            hash_seed: Seed of the mmh3 feature hash.
-            hash_signed: Multiply every coordinate by a hashed +-1 sign before summing (paper: unsigned).
-            batch_size: Client updates per batch.
-            train_samples: Use at most this many auxiliary samples (None: all).
-            eval_samples: Evaluate on the first this many held-out samples (sequences; grouped into
-                updates of `client.samples_per_update`) (None: all; paper: 1000).
             pseudo_batches_per_epoch: LTI-P batches per epoch (default: as many as auxiliary batches).
             pseudo_pool_size: Samples in the `pseudo_pool` (default: as many as auxiliary samples).
-            keep_eval_updates: Put the defended update into evaluation batches (needed by exact attacks).
-            num_workers: DataLoader workers of the evaluation loaders (training batches are an index or a
-                draw made in the main process, so that a resumed run continues exactly; the update
-                computation runs in the main process too).
-            seed: Seed of the sample grouping and of the pseudo-data draws.
-            observation_cache: Folder of cached training observations (LTI on auxiliary data with a
-                deterministic client; no defense, sign, pruning or Gaussian noise): the hashed
-                updates are computed once, stored as float16 and read from disk every epoch
-                (datamodules/observation_cache.py). None: computed on the fly.
-            rebuild_observation_cache: Rebuild a cache that was built for other observations
-                (otherwise it is refused, naming the difference).
+            **kwargs: What the server observes and the sizes, shared with every modality
+                (`InversionDataModule`: client, defense, observed, hashing, cache, batch_size, ...).
         """
-        super().__init__()
+        super().__init__(**kwargs)
         if training_data not in ("auxiliary", "pseudo", "pseudo_pool"):
             raise ValueError(
                 f"training_data {training_data!r} is not allowed; use 'auxiliary' (LTI), 'pseudo' (LTI-P) or 'pseudo_pool'"
@@ -121,13 +74,12 @@ class TextInversionDataModule(InversionDataModule):
             raise ValueError("pseudo_pool_size needs training_data 'pseudo_pool' and a positive size")
         if packing not in ("blocks", "lines"):
             raise ValueError(f"packing {packing!r} is not allowed; use 'blocks' or 'lines'")
-        check_sizes(batch_size, train_samples, eval_samples)
-        if training_data == "pseudo" and observation_cache:
+        if training_data == "pseudo" and self.observation.cache.path:
             raise ValueError(
-                "LTI-P draws fresh pseudo-data every batch, so there is nothing to cache; drop data.observation_cache "
+                "LTI-P draws fresh pseudo-data every batch, so there is nothing to cache; drop data.cache.path "
                 "or train on a fixed pool (training_data: pseudo_pool)"
             )
-        target, corpus, client, defense, observed = map(materialize, (target, corpus, client, defense, observed))
+        target, corpus = materialize(target), materialize(corpus)
         target.check_sequence_length(seq_len)
         self.tokenizer = load_tokenizer(tokenizer)
         if len(self.tokenizer) > target.vocab_size:
@@ -138,23 +90,15 @@ class TextInversionDataModule(InversionDataModule):
         self.corpus = corpus
         self.training_data, self.marginal_file = training_data, marginal_file
         self.seq_len, self.packing = seq_len, packing
-        self._build_pipeline(
-            target, NextTokenLoss(), client, defense, observed, Hashing(hash_fraction, hash_bins, hash_seed, hash_signed),
-            batch_size, train_samples, eval_samples, keep_eval_updates, num_workers, seed,
-            observation_cache, rebuild_observation_cache,
-        )
+        self._build_pipeline(target, NextTokenLoss())
         self.pseudo_batches_per_epoch, self.pseudo_pool_size = pseudo_batches_per_epoch, pseudo_pool_size
         # The pool is a split of its own, so exact attacks' priors (prior_split) and the majority
         # baseline stay on the real auxiliary text.
         self.train_split = "pseudo_pool" if training_data == "pseudo_pool" else "auxiliary"
         self._counts: Tensor | None = None
+        self.majority_tokens: Tensor | None = None  # per-position majority token of the auxiliary data (setup)
 
     # ---------------------------------------------------------------- data preparation
-    @property
-    def sequences_per_update(self) -> int:
-        """m: a text client's samples are sequences."""
-        return self.samples_per_update
-
     def _samples(self, tokenized) -> tuple[Tensor, Tensor]:
         if self.packing == "blocks":
             ids = pack_blocks(tokenized, self.seq_len)
@@ -201,7 +145,7 @@ class TextInversionDataModule(InversionDataModule):
             raise RuntimeError("call setup() before asking for the inversion spec")
         return InversionSpec(
             num_features=self.pipeline.spec.num_bins,
-            num_positions=self.sequences_per_update * self.seq_len,
+            num_positions=self.samples_per_update * self.seq_len,
             vocab_size=self.target.vocab_size,
             embedding=self.target.embedding_matrix.detach().cpu(),
             token_counts=self._counts,
@@ -215,7 +159,7 @@ class TextInversionDataModule(InversionDataModule):
         aux = self._splits["auxiliary"]
         batches = self.pseudo_batches_per_epoch or max(1, len(aux) // self.batch_size)
         sampler = MarginalSampler(self._counts)
-        updates, per_update, length = self.batch_size, self.sequences_per_update, self.seq_len
+        updates, per_update, length = self.batch_size, self.samples_per_update, self.seq_len
 
         def draw(generator: torch.Generator) -> dict[str, Tensor]:
             # LTI-P: a fresh i.i.d. draw from the marginal token distribution for every batch.
@@ -237,14 +181,14 @@ class TextInversionDataModule(InversionDataModule):
         """(U, m*L) token ids -> U texts (the m sequences of an update joined by newlines)."""
         texts = []
         for u in range(ids.shape[0]):
-            rows = ids[u].view(self.sequences_per_update, self.seq_len)
-            keep = None if mask is None else mask[u].view(self.sequences_per_update, self.seq_len).bool()
+            rows = ids[u].view(self.samples_per_update, self.seq_len)
+            keep = None if mask is None else mask[u].view(self.samples_per_update, self.seq_len).bool()
             parts = []
-            for i in range(self.sequences_per_update):
+            for i in range(self.samples_per_update):
                 row = rows[i] if keep is None else rows[i][keep[i]]
                 parts.append(self.tokenizer.decode(row.tolist()))
             texts.append("\n".join(parts))
         return texts
 
     def _describe_data(self) -> dict:
-        return {"training_data": self.training_data, "seq_len": self.seq_len, "sequences_per_update": self.sequences_per_update}
+        return {"training_data": self.training_data, "seq_len": self.seq_len}

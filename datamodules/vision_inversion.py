@@ -16,20 +16,14 @@ inverter's loss and the metrics; the attack itself sees `features` (LTI) or `upd
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 from jsonargparse import lazy_instance
+from torch import Tensor
 
-from datamodules.federated import (
-    ClassificationLoss,
-    ClientProtocol,
-    Defense,
-    FedSGDClient,
-    Hashing,
-    NoDefense,
-    ParameterSelection,
-)
-from datamodules.inversion_data import InversionDataModule, check_sizes
+from datamodules.federated import ClassificationLoss, FedSGDClient
+from datamodules.inversion_data import InversionDataModule, deprecated
 from datamodules.registry import materialize
 from datamodules.targets.vision import FCNN, VisionTarget
 from datamodules.vision import VISION_DATASETS, VisionData, load_vision_dataset
@@ -43,23 +37,9 @@ class ImageInversionDataModule(InversionDataModule):
         self,
         dataset: str = "digits",
         target: VisionTarget = lazy_instance(FCNN, input_shape=(1, 8, 8)),
-        samples_per_update: int = 1,
-        client_mode: Literal["train", "eval"] = "train",
-        client: ClientProtocol | None = None,
-        defense: Defense = lazy_instance(NoDefense),
-        observed: ParameterSelection = lazy_instance(ParameterSelection),
-        hash_fraction: float = 0.1,
-        hash_bins: int | None = None,
-        hash_seed: int = 0,
-        hash_signed: bool = False,
-        batch_size: int = 64,
-        train_samples: int | None = None,
-        eval_samples: int | None = 1000,
-        keep_eval_updates: bool = True,
-        num_workers: int = 0,
-        seed: int = 0,
-        observation_cache: str | None = None,
-        rebuild_observation_cache: bool = False,
+        samples_per_update: int | None = None,
+        client_mode: Literal["train", "eval"] | None = None,
+        **kwargs,
     ) -> None:
         """
         Args:
@@ -67,51 +47,39 @@ class ImageInversionDataModule(InversionDataModule):
                 `cifar10` (32x32x3, Hugging Face hub).
             target: The global model; its `input_shape` must match the data set (default: SPEAR's
                 6-layer ReLU FCNN for 8x8 digits). The paper's LTI setting is `LeNet` on CIFAR-10.
-            samples_per_update: Labelled samples m in one client update (FedSGD: mean gradient over m).
-            client_mode: `train` or `eval` mode of the target while the client computes its gradient.
-            client: The client protocol, when not FedSGD: e.g. `FedAvgClient` (E local epochs of
-                SGD, sends the weight delta). It carries its own samples per update and mode; leave
-                `samples_per_update` and `client_mode` at their defaults or equal to its values.
-            defense: Client-side defense (default: none); the same registry as for text.
-            observed: Which parameters the server observes (default: all).
-            hash_fraction: Hashed features k as a fraction of the observed dimension.
-            hash_bins: Exact k; overrides `hash_fraction`.
-            hash_seed: Seed of the mmh3 feature hash.
-            hash_signed: Multiply every coordinate by a hashed +-1 sign before summing.
-            batch_size: Client updates per batch.
-            train_samples: Use at most this many auxiliary (training-split) samples (None: all).
-            eval_samples: Evaluate on the first this many held-out samples (None: all).
-            keep_eval_updates: Put the defended update into evaluation batches (needed by exact attacks).
-            num_workers: DataLoader workers of the evaluation loaders (training batches are an index or a
-                draw made in the main process, so that a resumed run continues exactly; the update
-                computation runs in the main process too).
-            seed: Seed of the grouping of auxiliary samples into updates.
-            observation_cache: Folder of cached training observations (deterministic client; no
-                defense, sign, pruning or Gaussian noise), computed once and read from disk every
-                epoch (datamodules/observation_cache.py). None: computed on the fly.
-            rebuild_observation_cache: Rebuild a cache built for other observations (else refused).
+            samples_per_update: Deprecated: use client.init_args.samples_per_update.
+            client_mode: Deprecated: use client.init_args.mode.
+            **kwargs: What the server observes and the sizes, shared with every modality
+                (`InversionDataModule`: client, defense, observed, hashing, cache, batch_size, ...).
         """
-        super().__init__()
-        check_sizes(batch_size, train_samples, eval_samples)
+        super().__init__(**kwargs)
         VISION_DATASETS.get(dataset)  # an unknown name fails here, listing the allowed ones
-        target, defense, observed = map(materialize, (target, defense, observed))
+        target = materialize(target)
         self.dataset_name = dataset
-        client = materialize(client)
-        # jsonargparse carries a compatible `client` over from the default (text) DataModule when a
-        # config switches `data.class_path`: a default FedSGD client counts as "not given".
-        if client is None or (type(client) is FedSGDClient and client.describe() == FedSGDClient().describe()):
-            client = FedSGDClient(client_mode, samples_per_update)
-        elif samples_per_update not in (1, client.samples_per_update) or client_mode not in ("train", client.mode):
-            raise ValueError(
-                f"samples_per_update={samples_per_update} / client_mode={client_mode!r} disagree with the client "
-                f"{client!r}; set them on the client only"
-            )
-        self._build_pipeline(
-            target, ClassificationLoss(), client, defense, observed, Hashing(hash_fraction, hash_bins, hash_seed, hash_signed),
-            batch_size, train_samples, eval_samples, keep_eval_updates, num_workers, seed,
-            observation_cache, rebuild_observation_cache,
-        )
+        if samples_per_update is not None or client_mode is not None:
+            self._apply_deprecated_client_shortcuts(samples_per_update, client_mode)
+        self._build_pipeline(target, ClassificationLoss())
         self.data: VisionData | None = None
+        self.mean_input: Tensor | None = None  # the mean auxiliary input, the attack-free baseline (setup)
+
+    def _apply_deprecated_client_shortcuts(self, samples_per_update: int | None, client_mode: str | None) -> None:
+        """The old `samples_per_update` / `client_mode` shortcuts of a FedSGD client (one release more)."""
+        if samples_per_update is not None:
+            deprecated("samples_per_update", "client.init_args.samples_per_update")
+        if client_mode is not None:
+            deprecated("client_mode", "client.init_args.mode")
+        client = self.observation.client
+        if type(client) is FedSGDClient and client.describe() == FedSGDClient().describe():  # the default client
+            client = FedSGDClient(client_mode or "train", samples_per_update or 1)
+            self.observation = dataclasses.replace(self.observation, client=client)
+        else:
+            given = {"samples_per_update": samples_per_update, "client_mode": client_mode}
+            clients = {"samples_per_update": client.samples_per_update, "client_mode": client.mode}
+            old_defaults = {"samples_per_update": 1, "client_mode": "train"}  # as before: these count as not given
+            disagree = [f"data.{key}={value!r}" for key, value in given.items()
+                        if value not in (None, old_defaults[key], clients[key])]
+            if disagree:
+                raise ValueError(f"{' and '.join(disagree)} disagree with the client {client!r}; set them on the client only")
 
     # ---------------------------------------------------------------- data preparation
     @property
@@ -122,6 +90,12 @@ class ImageInversionDataModule(InversionDataModule):
     def table_columns(self) -> list[tuple[str, str, slice]]:
         """Tables: [(column name, 'continuous' | 'discrete', slice of the row)]; empty for images."""
         return self.data.column_spec if self.data is not None else []
+
+    def destandardize(self, rows: Tensor) -> Tensor:
+        """Tables: standardised rows (..., F) -> original units (one-hot coordinates unchanged)."""
+        if self.data is None:
+            raise RuntimeError("call setup() before de-standardising rows")
+        return self.data.destandardize(rows)
 
     def prepare_data(self) -> None:
         if self.dataset_name == "cifar10":
@@ -158,4 +132,4 @@ class ImageInversionDataModule(InversionDataModule):
         return self.pipeline.spec.num_bins
 
     def _describe_data(self) -> dict:
-        return {"dataset": self.dataset_name, "samples_per_update": self.samples_per_update}
+        return {"dataset": self.dataset_name}

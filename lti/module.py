@@ -16,6 +16,7 @@ from jsonargparse import lazy_instance
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
+from datamodules.attack_data import AttackData, TextAttackData, require
 from datamodules.metrics import RougeScores, TokenAccuracy, match_sequences, reorder_sequences, rouge_f, token_accuracy
 from datamodules.registry import materialize
 from datamodules.training_stream import NEGATIVES, step_generator
@@ -44,7 +45,10 @@ SCHEDULES = {
 class LearnedInversionModule(LightningModule):
     """What every learned-inversion module shares: Adam with warm-up + cosine/constant schedule,
     checkpoints that carry the threat model (hash spec + setting), and one step function `_step(batch,
-    stage)` for train/val/test. Subclasses own the inverter, the loss and the metrics."""
+    stage)` for train/val/test. Subclasses own the inverter, the loss and the metrics, and name what
+    they read from the DataModule (`data_interface`, checked once in `setup`)."""
+
+    data_interface: type = AttackData
 
     def _init_training(self, inverter, lr: float, scheduler: str):
         """Checks the optimiser arguments, records the hyperparameters, returns a fresh inverter."""
@@ -58,8 +62,13 @@ class LearnedInversionModule(LightningModule):
         return materialize(inverter)
 
     @property
-    def data(self):
+    def data(self) -> AttackData:
         return self.trainer.datamodule
+
+    def setup(self, stage: str) -> None:
+        # After the DataModule's setup, before the inverter is built: a DataModule without what this
+        # module reads fails here in one line, not with an AttributeError mid-step.
+        require(self.trainer.datamodule, self.data_interface, type(self).__name__)
 
     def configure_optimizers(self):
         # The fused Adam kernel updates the 60M first-layer weights in one pass; torch's default
@@ -89,9 +98,8 @@ class LearnedInversionModule(LightningModule):
                              "problem": self._problem()}
 
     def _problem(self) -> dict:
-        """The data-side sizes that fix the inverter's shapes."""
-        spec = getattr(self.data, "inversion_spec", None)  # image/table data: the state dict's shapes say it
-        return {name: getattr(spec, name) for name in PROBLEM_SIZES if hasattr(spec, name)}
+        """The data-side sizes that fix the inverter's shapes (none here: the state dict's shapes say them)."""
+        return {}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         from datamodules.federated.hashing import HashSpec
@@ -134,6 +142,8 @@ class LearnedInversionModule(LightningModule):
 
 
 class InversionModule(LearnedInversionModule):
+    data_interface = TextAttackData
+
     def __init__(
         self,
         inverter: Inverter = lazy_instance(EmbeddingInverter),
@@ -167,10 +177,18 @@ class InversionModule(LearnedInversionModule):
         self.samples: list[dict] = []  # per-update records of the current evaluation (for results files)
 
     # ---------------------------------------------------------------- set-up
+    @property
+    def data(self) -> TextAttackData:
+        return self.trainer.datamodule
+
     def configure_model(self) -> None:
         # Called after the DataModule's setup and before a checkpoint is restored.
         if not self.inverter.is_bound:
             self.inverter.bind(self.data.inversion_spec)
+
+    def _problem(self) -> dict:
+        spec = self.data.inversion_spec
+        return {"num_positions": spec.num_positions, "vocab_size": spec.vocab_size, "num_features": spec.num_features}
 
     # ---------------------------------------------------------------- one step for all stages
     def forward(self, features: Tensor) -> Tensor:
@@ -186,8 +204,8 @@ class InversionModule(LearnedInversionModule):
         generator = None
         if training and self.loss.negatives:
             step = int(batch["step"]) if "step" in batch else self.global_step
-            generator = step_generator(NEGATIVES, getattr(self.data, "seed", 0), self.global_rank, step)
-        sequences = getattr(self.data, "sequences_per_update", 1)
+            generator = step_generator(NEGATIVES, self.data.seed, self.global_rank, step)
+        sequences = self.data.samples_per_update
         loss, logits = self.loss(self.inverter, features, targets, mask, training=training, generator=generator,
                                  sequences=sequences)
         self.log(f"{stage}/loss", loss, prog_bar=True, sync_dist=stage != "train", batch_size=updates)

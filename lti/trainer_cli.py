@@ -123,9 +123,37 @@ def _accepted_options(class_path: str | None) -> list[str]:
     module, _, name = class_path.rpartition(".")
     try:
         cls = getattr(importlib.import_module(module), name)
-        return [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "args", "kwargs")]
-    except (ImportError, AttributeError, ValueError, TypeError):
+    except (ImportError, AttributeError, ValueError):
         return []
+    options: list[str] = []
+    for owner in cls.__mro__:  # a subclass that forwards **kwargs accepts its base's options too
+        try:
+            parameters = inspect.signature(owner.__init__).parameters
+        except (ValueError, TypeError):
+            break
+        options += [p for p, v in parameters.items() if p != "self" and v.kind not in (v.VAR_POSITIONAL, v.VAR_KEYWORD)]
+        if not any(v.kind is v.VAR_KEYWORD for v in parameters.values()):
+            break
+    return options
+
+
+def _group_options(class_path: str | None, group: list[str]) -> list[str]:
+    """The fields of a dataclass-typed init argument of `class_path` (e.g. `hashing` of a DataModule)."""
+    import dataclasses
+    import typing
+
+    if not class_path or len(group) != 1:
+        return []
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+        for owner in cls.__mro__:
+            hint = typing.get_type_hints(owner.__init__).get(group[0])
+            if hint is not None:
+                return [f.name for f in dataclasses.fields(hint)] if dataclasses.is_dataclass(hint) else []
+    except Exception:  # a hint that cannot be resolved: no suggestion
+        return []
+    return []
 
 
 def parse_error_message(message: str) -> str:
@@ -159,6 +187,12 @@ def parse_error_message(message: str) -> str:
             close = difflib.get_close_matches(option, _accepted_options(class_path), n=1)
             hint = f" (did you mean '{'.'.join([*keys, close[0]])}'?)" if close else ""
             return f"unknown option '{dotted}'{hint}; `lti fit --help` lists every option"
+        elif match := (re.fullmatch(r"unrecognized arguments: --([\w.]+)=?.*", line)  # in a nested group (data.hashing)
+                       or re.fullmatch(r"Group '(\w+)' does not accept option '(\w+)'\.?", line)):
+            *group, option = ".".join(match.groups()).split(".")
+            close = difflib.get_close_matches(option, _group_options(class_path, group), n=1)
+            hint = f" (did you mean '{'.'.join([*keys, *group, close[0]])}'?)" if close else ""
+            return f"unknown option '{'.'.join([*keys, *group, option])}'{hint}; `lti fit --help` lists every option"
         elif not line.startswith(("Does not validate against any of", "Subtypes:", "Errors:", "Given value")):
             detail = detail or line
     if keys and detail:

@@ -26,6 +26,7 @@ from PIL import Image
 from torch import Tensor, nn
 from torchmetrics import MeanMetric, MeanSquaredError
 
+from datamodules.attack_data import ImageAttackData
 from datamodules.metrics import discrete_accuracy, match_samples, psnr, ssim
 from lti.module import STAGES, LearnedInversionModule
 
@@ -107,6 +108,8 @@ def image_grid(references: Tensor, reconstructions: Tensor, min_size: int = 32) 
 
 
 class ImageInversionModule(LearnedInversionModule):
+    data_interface = ImageAttackData
+
     def __init__(
         self,
         inverter: ImageMLPInverter = lazy_instance(ImageMLPInverter),
@@ -143,6 +146,10 @@ class ImageInversionModule(LearnedInversionModule):
         self._trained_steps = 0  # training steps of the loaded checkpoint (names test image grids)
 
     # ---------------------------------------------------------------- set-up
+    @property
+    def data(self) -> ImageAttackData:
+        return self.trainer.datamodule
+
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         super().on_load_checkpoint(checkpoint)
         self._trained_steps = int(checkpoint.get("global_step", 0))

@@ -16,6 +16,11 @@ Clients with several local steps (FedAvg) use two hooks instead of `__call__`:
   already in every step).
 
 For FedSGD (one step, the update is the gradient) `__call__` is used and nothing changes.
+
+What a defense declares about itself, for those who reuse its output (the observation cache, a
+server simulating a client): `deterministic` (no random draws), `linear` (commutes with sums and
+means of updates) and `split_noise()` (a deterministic defense followed by independent Gaussian
+noise per coordinate, or not).
 """
 
 from __future__ import annotations
@@ -38,6 +43,11 @@ class Defense(DEFENSES.base(), ABC):
     #: True if the defense acts on every local step's per-sequence gradients (DP-SGD), False if it
     #: acts on what the client sends.
     acts_per_step: ClassVar[bool] = False
+    #: The same input always gives the same output: no random draws (its output may be stored and reused).
+    deterministic: ClassVar[bool] = True
+    #: Deterministic and commutes with sums and scalings of updates, f(a x + b y) = a f(x) + b f(y): the
+    #: defended mean of several updates is the mean of their defended updates.
+    linear: ClassVar[bool] = False
 
     @classmethod
     def create(cls, name: str, **kwargs) -> "Defense":
@@ -64,6 +74,13 @@ class Defense(DEFENSES.base(), ABC):
         """DP guarantee of one client's `steps` noisy steps at `sample_rate`, or None (no DP)."""
         return None
 
+    def split_noise(self) -> tuple[Defense, float] | None:
+        """This defense as a deterministic defense followed by independent N(0, std^2) noise on every
+        coordinate: (that deterministic defense, std). Such noise commutes with summing coordinates
+        (hashing), so a sum of n coordinates gets N(0, n std^2). None when the defense is not of that
+        form (DP-SGD: its noise comes before the per-sample mean, after per-sample clipping)."""
+        return (self, 0.0) if self.deterministic else None
+
     def describe(self) -> dict:
         return {"name": self.name, **{k: v for k, v in vars(self).items() if not k.startswith("_")}}
 
@@ -83,6 +100,7 @@ def _noise_like(x: Tensor, generator: torch.Generator | None) -> Tensor:
 
 class NoDefense(Defense):
     name = "none"
+    linear = True
 
     def transform(self, update: Tensor, generator: torch.Generator | None) -> Tensor:
         return update
@@ -124,6 +142,7 @@ class GaussianNoise(Defense):
     """Additive N(0, sigma^2) noise on every observed coordinate."""
 
     name = "gaussian"
+    deterministic = False  # a draw even at sigma = 0
 
     def __init__(self, sigma: float = 0.01) -> None:
         """
@@ -137,12 +156,16 @@ class GaussianNoise(Defense):
     def transform(self, update: Tensor, generator: torch.Generator | None) -> Tensor:
         return update + self.sigma * _noise_like(update, generator)
 
+    def split_noise(self) -> tuple[Defense, float]:
+        return NoDefense(), self.sigma
+
 
 class DPSGD(Defense):
     """DP-SGD on the client: per-sequence clipping to `clip_norm`, Gaussian noise on the sum."""
 
     name = "dpsgd"
     acts_per_step = True
+    deterministic = False
 
     def __init__(
         self,
@@ -224,6 +247,22 @@ class Compose(Defense):
     @property
     def acts_per_step(self) -> bool:  # type: ignore[override]
         return self.defenses[0].acts_per_step
+
+    @property
+    def deterministic(self) -> bool:  # type: ignore[override]
+        return all(d.deterministic for d in self.defenses)
+
+    @property
+    def linear(self) -> bool:  # type: ignore[override]
+        return all(d.linear for d in self.defenses)
+
+    def split_noise(self) -> tuple[Defense, float] | None:
+        """Deterministic parts in order, with Gaussian noise in the last part only (noise that a later
+        defense transforms, by a sign or a pruning, is no longer additive Gaussian noise)."""
+        parts = [d.split_noise() for d in self.defenses]
+        if any(part is None for part in parts) or any(std > 0 for _, std in parts[:-1]):
+            return None
+        return Compose([deterministic for deterministic, _ in parts]), parts[-1][1]
 
     def local_step(self, per_example: Tensor, generator: torch.Generator | None = None) -> Tensor:
         # Only the first defense may see per-sequence gradients (DP-SGD); the rest act on the delta.

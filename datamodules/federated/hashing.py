@@ -120,10 +120,10 @@ class Hashing:
         bins = self.bins
         if bins is None:
             if self.fraction is None or not 0.0 < self.fraction <= 1.0:
-                raise ValueError(f"hash_fraction={self.fraction} must be in (0, 1] (or give hash_bins)")
+                raise ValueError(f"hashing.fraction={self.fraction} must be in (0, 1] (or give hashing.bins)")
             bins = max(1, round(self.fraction * dim))
         if bins < 1:
-            raise ValueError(f"hash_bins={bins} must be >= 1")
+            raise ValueError(f"hashing.bins={bins} must be >= 1")
         return HashSpec(num_bins=int(bins), seed=int(self.seed), signed=bool(self.signed), parameters=parameters,
                         target_fingerprint=target_fingerprint)
 

@@ -90,8 +90,11 @@ class UpdatePipeline(nn.Module):
             start += size
         return out
 
-    def forward(self, batch: ClientBatch, keep_update: bool = False, generator: torch.Generator | None = None) -> ObservedUpdates:
-        """A client batch (`loss.fields`, each (U, m, ...)) of U client updates -> what the server observes."""
+    def forward(self, batch: ClientBatch, keep_update: bool = False, generator: torch.Generator | None = None,
+                defense: Defense | None = None) -> ObservedUpdates:
+        """A client batch (`loss.fields`, each (U, m, ...)) of U client updates -> what the server observes;
+        under `defense` instead of the pipeline's own when given (the observation cache stores the
+        deterministic part of a defense)."""
         if not isinstance(batch, dict):
             raise TypeError(f"the batch must be a dict of fields ({', '.join(self.loss.fields)}), got {type(batch).__name__}")
         unknown = set(batch) - set(self.loss.fields)
@@ -102,29 +105,32 @@ class UpdatePipeline(nn.Module):
         # leave it, and copy the batch so it is not an inference tensor.
         with torch.inference_mode(False), torch.enable_grad():
             batch = {name: value.clone() for name, value in batch.items() if value is not None}
-            observation = Observation(self.target, self.names, self.loss, self.defense, generator, self._check_finite)
+            observation = Observation(self.target, self.names, self.loss, self.defense if defense is None else defense,
+                                      generator, self._check_finite)
             update = self.client.observe(batch, observation)
             with torch.no_grad():
                 features = self.hasher(update)
         return ObservedUpdates(features=features, update=update if keep_update else None)
 
     def sequence_update(self, input_ids: Sequence[int] | Tensor) -> dict[str, Tensor] | None:
-        """The update one text sequence alone gives under this client, undefended: {name: gradient}.
+        """The update one text sequence alone gives under this client and defense: {name: gradient}.
 
         What a server can simulate for a sequence it has recovered (exact.dager.peel subtracts it). Only
         where the client's update is the plain mean of its sequences' own updates at the global weights:
         a FedSGD client in eval mode (train mode draws dropout masks the server cannot repeat), the
-        next-token loss and no defense; None otherwise.
+        next-token loss and a linear defense (none: the defended mean is the mean of the defended
+        updates); None otherwise.
         """
         if not (isinstance(self.client, FedSGDClient) and self.client.mode == "eval"
-                and isinstance(self.loss, NextTokenLoss) and isinstance(self.defense, NoDefense)):
+                and isinstance(self.loss, NextTokenLoss) and self.defense.linear):
             return None
         device = next(self.target.parameters()).device
         ids = torch.as_tensor(input_ids, dtype=torch.long, device=device).view(1, 1, -1)
         with torch.inference_mode(False), torch.enable_grad(), model_mode(self.target, "eval"):
             per_example = self.loss.per_example_gradients(self.target, self.names, {"input_ids": ids},
                                                           self.client.implementation)
-        return {name: grads[0] for name, grads in self.split(per_example[:, 0].detach()).items()}
+        update = self.defense.transform(per_example[:, 0].detach(), None)
+        return {name: grads[0] for name, grads in self.split(update).items()}
 
     def _check_finite(self, values: Tensor) -> None:
         """Raise on nan/inf in raw client gradients (..., D) before the defense hides them."""

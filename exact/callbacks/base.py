@@ -1,5 +1,6 @@
 """What every exact-attack callback shares: argument checks, the evaluation hooks, the stage and batch
-filter, one warning per problem, and reading the defended update and the global model."""
+filter, one warning per problem, and reading the defended update and the global model. The callbacks
+read the DataModule through `datamodules.attack_data.AttackData`, checked once in `setup`."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+
+from datamodules.attack_data import AttackData, require
+from datamodules.federated.pipeline import UpdatePipeline
 
 
 class ExactAttackCallback(Callback):
@@ -29,6 +33,9 @@ class ExactAttackCallback(Callback):
         self.stages = tuple(stages)
         self._warned: set[str] = set()
 
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        require(trainer.datamodule, AttackData, type(self).__name__)
+
     def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
         if not trainer.sanity_checking:
@@ -47,20 +54,19 @@ class ExactAttackCallback(Callback):
         if stage not in self.stages or batch_idx % self.every_n_batches:
             return
         update = batch.get("update") if isinstance(batch, dict) else None
-        pipeline = getattr(trainer.datamodule, "pipeline", None)
-        if update is None or pipeline is None:
-            self._warn("update", "the evaluation batch has no 'update' (set data.keep_eval_updates: true) or the "
-                                 f"datamodule has no pipeline; {self.attack_name} is skipped")
+        if update is None:
+            self._warn("update", f"the evaluation batch has no 'update' (set data.keep_eval_updates: true); "
+                                 f"{self.attack_name} is skipped")
             return
-        client = getattr(pipeline, "client", None)
-        if client is not None and hasattr(client, "gradient_scale"):
-            # FedAvg sends a weight delta, lr times the sum of its local gradients: attack the mean gradient.
-            update = update * client.gradient_scale()
-        self._run(trainer, pl_module, batch, update, pipeline, stage)
+        data: AttackData = trainer.datamodule
+        # FedAvg sends a weight delta, lr times the sum of its local gradients: attack the mean gradient
+        # (FedSGD: a factor 1).
+        update = update * data.pipeline.client.gradient_scale()
+        self._run(trainer, pl_module, batch, update, data.pipeline, stage)
 
     def _count(self, updates: int) -> int:
         return updates if self.max_updates_per_batch is None else min(updates, self.max_updates_per_batch)
 
-    def _run(self, trainer: Trainer, pl_module: LightningModule, batch: dict, update: torch.Tensor, pipeline: Any,
-             stage: str) -> None:
+    def _run(self, trainer: Trainer, pl_module: LightningModule, batch: dict, update: torch.Tensor,
+             pipeline: UpdatePipeline, stage: str) -> None:
         raise NotImplementedError

@@ -17,11 +17,12 @@ The attack never reads the true tokens; they are used here for the metrics only.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
 
+from datamodules.attack_data import AttackData
+from datamodules.federated.pipeline import UpdatePipeline
 from datamodules.metrics import ROUGE_TYPES, score_batch
 from exact.callbacks.base import ExactAttackCallback
 from exact.dager import Dager, local_step_offsets
@@ -64,12 +65,12 @@ class DagerCallback(ExactAttackCallback):
         self.log_samples = log_samples
         self.multi_step_threshold = multi_step_threshold
         self.follow_trajectory = follow_trajectory
+        self._feasibility_said = False
 
-    def _attack_for(self, pipeline: Any) -> Dager:
+    def _attack_for(self, pipeline: UpdatePipeline) -> Dager:
         """The configured attack, or for multi-step clients a new one derived from it with the
         thresholds loosened (`Dager.with_options`; the configured attack is never modified)."""
-        client = getattr(pipeline, "client", None)
-        steps = client.local_steps() if client is not None and hasattr(client, "local_steps") else 1
+        steps = pipeline.client.local_steps()
         if steps <= 1 or self.multi_step_threshold is None:
             return self.attack
         span = self.attack.options.span
@@ -78,14 +79,14 @@ class DagerCallback(ExactAttackCallback):
             "l2_threshold": max(span.l2_threshold, self.multi_step_threshold),
         })
 
-    def _trajectory(self, pipeline: Any) -> tuple[float, ...]:
+    def _trajectory(self, pipeline: UpdatePipeline) -> tuple[float, ...]:
         """Offsets t * lr of a multi-step client's local steps (the update DAGER reads is the mean of
         their gradients: `gradient_scale`), or () for FedSGD and when not following."""
-        return local_step_offsets(getattr(pipeline, "client", None)) if self.follow_trajectory else ()
+        return local_step_offsets(pipeline.client) if self.follow_trajectory else ()
 
-    def _run(self, trainer: Trainer, pl_module: LightningModule, batch: dict, update: torch.Tensor, pipeline: Any,
-             stage: str) -> None:
-        datamodule = trainer.datamodule
+    def _run(self, trainer: Trainer, pl_module: LightningModule, batch: dict, update: torch.Tensor,
+             pipeline: UpdatePipeline, stage: str) -> None:
+        data: AttackData = trainer.datamodule
         start = time.perf_counter()
         ids = batch["input_ids"]
         mask = batch.get("attention_mask")
@@ -95,12 +96,11 @@ class DagerCallback(ExactAttackCallback):
         updates, per_update, length = ids.shape
         # The attack is told the protocol's sequences per update and block length (what the server
         # knows), never sizes read off the client's data.
-        protocol_batch = getattr(datamodule, "sequences_per_update", per_update)
-        protocol_length = getattr(datamodule, "seq_len", length)
+        protocol_batch = data.samples_per_update
+        protocol_length = data.seq_len if data.seq_len is not None else length
         count = self._count(updates)
         split = pipeline.split(update[:count])
-        tokenizer = getattr(datamodule, "tokenizer", None)
-        decode = tokenizer.decode if tokenizer is not None else (lambda t: " ".join(map(str, t)))
+        decode = data.tokenizer.decode if data.tokenizer is not None else (lambda t: " ".join(map(str, t)))
         totals = dict.fromkeys(ROUGE_TYPES, 0.0)
         sequences = tokens = correct = exact = certified = 0
         records = []
@@ -110,7 +110,7 @@ class DagerCallback(ExactAttackCallback):
             result = attack.attack(
                 pipeline.target, {name: grads[u] for name, grads in split.items()},
                 batch_size=protocol_batch, max_length=protocol_length, trajectory=trajectory,
-                sequence_update=getattr(pipeline, "sequence_update", None),
+                sequence_update=pipeline.sequence_update,
             )
             self._say_feasibility(pl_module, pipeline, result.diagnostics, attack.options.span.min_codimension,
                                    protocol_batch)
@@ -137,11 +137,11 @@ class DagerCallback(ExactAttackCallback):
         if self.log_samples and isinstance(getattr(pl_module, "samples", None), list):
             self._add_samples(pl_module.samples, batch, records, updates)
 
-    def _say_feasibility(self, pl_module: LightningModule, pipeline: Any, diagnostics: dict, min_codimension: int,
+    def _say_feasibility(self, pl_module: LightningModule, pipeline: UpdatePipeline, diagnostics: dict, min_codimension: int,
                          batch_size: int | None = None) -> None:
         """Once per run, after the first attack: why exact recovery may be impossible here, from what the
         server has (the width, the defense, the update's ranks) (console and the metrics file's `notes`)."""
-        if getattr(self, "_feasibility_said", False):
+        if self._feasibility_said:
             return
         self._feasibility_said = True
         target = pipeline.target

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule, Trainer
 
+from datamodules.attack_data import AttackData
+from datamodules.federated.pipeline import UpdatePipeline
 from datamodules.metrics import discrete_accuracy, psnr
 from exact.callbacks.base import ExactAttackCallback
 from exact.spear import ReluLinear, Spear, relu_linear_layer
@@ -95,19 +97,16 @@ class SpearCallback(ExactAttackCallback):
         key = (id(target), self.layer)
         if self._prior_cache is not None and self._prior_cache[0] == key:
             return self._prior_cache[1]
-        source = getattr(trainer.datamodule, "auxiliary_inputs", None)
-        if source is None:
-            self._warn("prior", "the datamodule has no auxiliary_inputs(); SPEAR runs without a prior")
-            return None
-        inputs = source(self.prior_samples)
+        data: AttackData = trainer.datamodule
+        inputs = data.auxiliary_inputs(self.prior_samples)
         device = next(target.parameters()).device
         prior = torch.cat([self._layer_inputs(target, layer, chunk.to(device)).double().cpu()
                            for chunk in inputs.split(256)])
         self._prior_cache = (key, prior)
         return prior
 
-    def _run(self, trainer: Trainer, pl_module: LightningModule, batch: dict, update: torch.Tensor, pipeline: Any,
-             stage: str) -> None:
+    def _run(self, trainer: Trainer, pl_module: LightningModule, batch: dict, update: torch.Tensor,
+             pipeline: UpdatePipeline, stage: str) -> None:
         target = pipeline.target
         try:
             layer = relu_linear_layer(target, self.layer)
@@ -128,8 +127,8 @@ class SpearCallback(ExactAttackCallback):
         if layer.weight_name not in split:
             self._warn("observed", f"{layer.weight_name!r} is not among the observed parameters; SPEAR is skipped")
             return
-        columns = list(getattr(trainer.datamodule, "table_columns", None) or [])
-        data = getattr(trainer.datamodule, "data", None)
+        data: AttackData = trainer.datamodule
+        columns = list(data.table_columns)
         images = not text and model_inputs.dim() == 5
         prior = self._prior(trainer, target, layer)
         tally = _Tally()
@@ -167,11 +166,6 @@ def _model_inputs(batch: dict) -> tuple[torch.Tensor, bool] | None:
     return None
 
 
-def _column_parts(column: Any) -> tuple[str, slice]:
-    """(kind, slice) of a table column: a `TableColumn` or a (name, kind, slice) tuple."""
-    return (column.kind, column.slice) if hasattr(column, "kind") else (column[1], column[2])
-
-
 @dataclass
 class _Tally:
     """Sums over one batch's attacked updates; `log` writes their means."""
@@ -202,9 +196,10 @@ class _Tally:
         self.psnr_sum += float(psnr(mse, min_mse=1e-30).sum())  # exact rows: up to 300 dB
         self.psnr_count += truth.shape[0]
 
-    def add_table(self, matched: torch.Tensor, truth: torch.Tensor, columns: list, data: Any) -> None:
+    def add_table(self, matched: torch.Tensor, truth: torch.Tensor, columns: list[tuple[str, str, slice]],
+                  data: AttackData) -> None:
         """Discrete accuracy over all one-hot blocks of all rows; MAE of continuous columns in original units."""
-        columns = [_column_parts(column) for column in columns]
+        columns = [(kind, where) for _, kind, where in columns]
         discrete = [where for kind, where in columns if kind == "discrete"]
         if discrete:
             # discrete_accuracy gives each row's fraction of recovered blocks; times the block count that is
@@ -212,12 +207,11 @@ class _Tally:
             fractions = discrete_accuracy(matched, truth, discrete)
             self.discrete_correct += int((fractions * len(discrete)).round().sum())
             self.discrete_total += truth.shape[0] * len(discrete)
-        if data is not None and hasattr(data, "destandardize"):
-            raw_true, raw_pred = data.destandardize(truth), data.destandardize(matched)
-            for kind, where in columns:
-                if kind == "continuous":
-                    self.mae_sum += float((raw_pred[:, where] - raw_true[:, where]).abs().sum())
-                    self.mae_count += truth.shape[0]
+        raw_true, raw_pred = data.destandardize(truth), data.destandardize(matched)
+        for kind, where in columns:
+            if kind == "continuous":
+                self.mae_sum += float((raw_pred[:, where] - raw_true[:, where]).abs().sum())
+                self.mae_count += truth.shape[0]
 
     def log(self, pl_module: LightningModule, prefix: str, count: int, seconds: float) -> None:
         common = {"on_step": False, "on_epoch": True, "sync_dist": True}

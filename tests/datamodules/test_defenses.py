@@ -105,3 +105,41 @@ def test_dpsgd_acts_per_step_and_leaves_the_delta_alone():
     torch.testing.assert_close(dp.local_step(per_example), dp(per_example))
     delta = torch.randn(2, 40)
     assert torch.equal(dp.on_delta(delta), delta)
+
+
+# What each defense declares about itself (the observation cache and a server simulating a client read it).
+PROPERTIES = [  # defense, deterministic, linear, split_noise() as (describe of the deterministic part, std) or None
+    (NoDefense(), True, True, ({"name": "none"}, 0.0)),
+    (Sign(), True, False, ({"name": "sign"}, 0.0)),
+    (TopKPruning(0.9), True, False, ({"name": "prune", "fraction_removed": 0.9}, 0.0)),
+    (GaussianNoise(0.05), False, False, ({"name": "none"}, 0.05)),
+    (GaussianNoise(0.0), False, False, ({"name": "none"}, 0.0)),  # still a draw, though a zero one
+    (DPSGD(), False, False, None),
+    (Compose([TopKPruning(0.9), Sign()]), True, False,
+     ({"name": "compose", "defenses": [{"name": "prune", "fraction_removed": 0.9}, {"name": "sign"}]}, 0.0)),
+    (Compose([NoDefense(), NoDefense()]), True, True, ({"name": "compose", "defenses": [{"name": "none"}] * 2}, 0.0)),
+    (Compose([TopKPruning(0.9), GaussianNoise(0.1)]), False, False,
+     ({"name": "compose", "defenses": [{"name": "prune", "fraction_removed": 0.9}, {"name": "none"}]}, 0.1)),
+    (Compose([GaussianNoise(0.1), Sign()]), False, False, None),  # the sign of noise is not additive noise
+    (Compose([DPSGD(), TopKPruning(0.9)]), False, False, None),
+]
+
+
+@pytest.mark.parametrize("defense, deterministic, linear, split", PROPERTIES, ids=lambda x: repr(x)[:40])
+def test_each_defense_declares_what_reusing_its_output_needs(defense, deterministic, linear, split):
+    assert defense.deterministic is deterministic and defense.linear is linear
+    answer = defense.split_noise()
+    assert (None if answer is None else (answer[0].describe(), answer[1])) == split
+    g = torch.randn(3, 2, 50, generator=torch.Generator().manual_seed(0))
+    if deterministic:  # no draws: the same output whatever the generator
+        first = defense(g, torch.Generator().manual_seed(1))
+        torch.testing.assert_close(defense(g, torch.Generator().manual_seed(2)), first, rtol=0, atol=0)
+    if linear:  # the defended mean is the mean of the defended updates, and scales commute
+        per_sample = torch.stack([defense(g[:, i : i + 1]) for i in range(2)], dim=1)
+        torch.testing.assert_close(defense(g), per_sample.mean(dim=1))
+        torch.testing.assert_close(defense(3.0 * g), 3.0 * defense(g))
+    if split is not None:  # the deterministic part, then N(0, std^2) per coordinate: the same distribution
+        part, std = answer
+        big = torch.randn(1, 1, 20000, generator=torch.Generator().manual_seed(3))
+        residual = defense(big, torch.Generator().manual_seed(4)) - part(big)
+        assert abs(residual.std().item() - std) < 0.02 * max(std, 1e-3) + 1e-6

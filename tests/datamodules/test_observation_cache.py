@@ -7,19 +7,20 @@ import shutil
 import pytest
 import torch
 
-from datamodules.federated import DPSGD, GaussianNoise, NoDefense, Sign, TopKPruning
+from datamodules.federated import DPSGD, GaussianNoise, Hashing, NoDefense, Sign, TopKPruning
+from datamodules.observation_cache import CacheOptions
 from datamodules.targets import Transformer3
 from datamodules.text import LocalCorpus
 from datamodules.text_inversion import TextInversionDataModule
 
 
-def _datamodule(corpus_files, cache=None, defense=None, dropout=0.0, causal=False, **kwargs):
+def _datamodule(corpus_files, cache=None, defense=None, dropout=0.0, causal=False, rebuild=False, **kwargs):
     torch.manual_seed(0)
     target = Transformer3(hidden_size=16, num_heads=2, ffn_size=32, num_layers=1, max_positions=8, dropout=dropout,
                           causal=causal)
     corpus = LocalCorpus([str(corpus_files["auxiliary"])], [str(corpus_files["evaluation"])])
     dm = TextInversionDataModule(target=target, corpus=corpus, seq_len=8, batch_size=4, defense=defense or NoDefense(),
-                                 observation_cache=str(cache) if cache else None, **kwargs)
+                                 cache=CacheOptions(str(cache) if cache else None, rebuild), **kwargs)
     dm.setup("fit")
     return dm
 
@@ -105,13 +106,13 @@ def test_a_cache_for_other_observations_is_refused_naming_the_difference_and_reb
         _datamodule(corpus_files, cache, defense=Sign()).train_dataloader()
     assert "\n" not in str(error.value)
     with pytest.raises(ValueError, match=r"\(hash spec: "):
-        _datamodule(corpus_files, cache, hash_seed=1).train_dataloader()
+        _datamodule(corpus_files, cache, hashing=Hashing(seed=1)).train_dataloader()
     with pytest.raises(ValueError, match=r"\(auxiliary samples"):
         _datamodule(corpus_files, cache, seed=1).train_dataloader()
     # Same weights, other computation (a causal mask): still another observation.
     with pytest.raises(ValueError, match=r"\(target model settings"):
         _datamodule(corpus_files, cache, causal=True).train_dataloader()
-    _datamodule(corpus_files, cache, defense=Sign(), rebuild_observation_cache=True).train_dataloader()
+    _datamodule(corpus_files, cache, defense=Sign(), rebuild=True).train_dataloader()
     assert json.loads((cache / "meta.json").read_text())["key"]["defense"]["name"] == "sign"
 
 
@@ -197,3 +198,23 @@ def test_a_pool_cache_is_not_read_as_the_auxiliary_cache(corpus_files, tmp_path)
 def test_pool_size_needs_a_pool(corpus_files):
     with pytest.raises(ValueError, match="pseudo_pool_size needs"):
         _datamodule(corpus_files, pseudo_pool_size=10)
+
+
+def test_a_composed_defense_is_cached_by_its_deterministic_part_with_its_noise_added_on_reading(corpus_files, tmp_path):
+    from datamodules.federated import Compose
+
+    sigma = 0.05
+    cached = _datamodule(corpus_files, tmp_path / "cache", defense=Compose([TopKPruning(0.9), GaussianNoise(sigma)]))
+    stream = cached.train_dataloader().dataset
+    assert json.loads((tmp_path / "cache" / "meta.json").read_text())["key"]["defense"] == {
+        "name": "compose", "defenses": [{"name": "prune", "fraction_removed": 0.9}, {"name": "none"}]}
+    assert cached._open_cache().noise_sigma == sigma
+    # Without the noise, the cache holds what pruning alone gives on the fly.
+    pruned = _first_batches(_datamodule(corpus_files, defense=TopKPruning(0.9)), 1)[0]
+    rows = cached._open_cache()
+    clean = torch.from_numpy(rows._features[pruned["index"].numpy()].astype("float32")) * rows._scales[pruned["index"]][:, None]
+    rms = pruned["features"].pow(2).mean(dim=1, keepdim=True).sqrt()
+    assert ((pruned["features"] - clean).abs() / rms).max() < 2e-3
+    assert not torch.equal(stream.batch(0)["features"], clean)  # noise is added when reading
+    with pytest.raises(ValueError, match="Compose cannot be cached"):
+        _datamodule(corpus_files, tmp_path / "other", defense=Compose([GaussianNoise(sigma), Sign()])).train_dataloader()

@@ -515,7 +515,7 @@ def test_tiny_fit_with_protocol_overlays(make_config, tmp_path, overlays, client
         assert names and all(".lora_A." in n or ".lora_B." in n for n in names)
         assert setting["client"]["local"]["name"] == "fedsgd"
     else:
-        assert setting["sequences_per_update"] == 4
+        assert setting["samples_per_update"] == 4
         assert names == ["encoder.layers.0.self_attn.out_proj.weight", "encoder.layers.0.self_attn.out_proj.bias",
                          "encoder.layers.0.linear1.weight", "encoder.layers.0.linear1.bias"]
         # DP-SGD over FedAvg: E * ceil(n / B) = 2 noisy steps at sample rate B / n = 0.5

@@ -193,7 +193,8 @@ def _vision_config(tmp_path, **data_overrides) -> str:
         "data": {"class_path": "datamodules.vision_inversion.ImageInversionDataModule", "init_args": {
             "dataset": "digits",
             "target": {"class_path": "datamodules.targets.vision.FCNN", "init_args": {"input_shape": [1, 8, 8], "hidden": 16, "num_layers": 3}},
-            "samples_per_update": 2, "batch_size": 4, "train_samples": 64, "eval_samples": 16, **data_overrides}},
+            "client": {"class_path": "datamodules.federated.FedSGDClient", "init_args": {"samples_per_update": 2}},
+            "batch_size": 4, "train_samples": 64, "eval_samples": 16, **data_overrides}},
         "checkpoint": {"dirpath": str(tmp_path / "ckpt")},
         "results": {"print_table": False},
     }
@@ -226,7 +227,7 @@ def test_vision_lti_fit_test_predict_write_metrics_png_and_checkpoint(tmp_path):
     assert pngs[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # The checkpoint is bound to its observed updates: another hash size is refused.
     with pytest.raises(SystemExit):
-        main(["test", "--config", config, "--ckpt_path", str(ckpt), "--data.hash_bins", "7"])
+        main(["test", "--config", config, "--ckpt_path", str(ckpt), "--data.hashing.bins", "7"])
     main(["predict", "--config", config, "--ckpt_path", str(ckpt)])
     first = json.loads((root / "predictions.jsonl").read_text().splitlines()[0])
     assert torch.tensor(first["reconstruction"]).shape == (2, 1, 8, 8)
@@ -265,7 +266,8 @@ def test_table_lti_reports_discrete_accuracy(tmp_path):
     from lti.cli import main
 
     target = {"class_path": "datamodules.targets.vision.FCNN", "init_args": {"input_shape": [104], "num_classes": 2, "hidden": 16, "num_layers": 3}}
-    main(["validate", "--config", _vision_config(tmp_path, dataset="adult", target=target, samples_per_update=1)])
+    main(["validate", "--config", _vision_config(tmp_path, dataset="adult", target=target,
+                                                  client={"class_path": "datamodules.federated.FedSGDClient"})])
     metrics = json.loads((tmp_path / "run" / "val_metrics.json").read_text())["metrics"]
     assert 0.0 <= metrics["val/lti/discrete_acc"] <= 1.0 and "val/lti/psnr" not in metrics
 
@@ -274,7 +276,8 @@ def test_table_lti_reports_discrete_accuracy(tmp_path):
 def test_auxiliary_inputs_come_from_the_servers_split_never_the_clients():
     from datamodules.vision_inversion import ImageInversionDataModule
 
-    data = ImageInversionDataModule(dataset="digits", samples_per_update=4, train_samples=40, eval_samples=8)
+    data = ImageInversionDataModule(dataset="digits", client=FedSGDClient(samples_per_update=4), train_samples=40,
+                                    eval_samples=8)
     with pytest.raises(RuntimeError, match="setup"):
         data.auxiliary_inputs(5)
     data.setup("test")

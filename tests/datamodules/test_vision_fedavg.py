@@ -223,7 +223,7 @@ def test_vision_lti_trains_on_fedavg_updates_and_reports_the_dp_epsilon(tmp_path
     privacy = state["lti"]["setting"]["privacy"]
     assert privacy["steps"] == 4 and privacy["sample_rate"] == 0.5
     assert privacy["epsilon"] == pytest.approx(DPSGD().privacy(4, 0.5)["epsilon"])
-    # The client carries its own samples per update: a disagreeing datamodule value is one line.
-    with pytest.raises(SystemExit):
+    # The client carries its own samples per update: a disagreeing (deprecated) datamodule value is one line.
+    with pytest.raises(SystemExit), pytest.warns(FutureWarning, match="data.samples_per_update is deprecated"):
         main(["validate", "--config", config, "--data.init_args.samples_per_update", "3"])
-    assert "samples_per_update=3 / client_mode='train' disagree with the client" in capsys.readouterr().err
+    assert "data.samples_per_update=3 disagree with the client" in capsys.readouterr().err

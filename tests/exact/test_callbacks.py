@@ -8,8 +8,21 @@ import pytest
 
 pytest.importorskip("lightning")
 
+from datamodules.attack_data import AttackData
 from datamodules.federated.hashing import Hashing
 from lti.cli import main  # noqa: E402
+
+
+def data_side(pipeline, **fields):
+    """A DataModule's `AttackData` around a pipeline, without data (text sizes given by the test)."""
+    from types import SimpleNamespace
+
+    defaults = dict(pipeline=pipeline, seed=0, samples_per_update=pipeline.client.samples_per_update, seq_len=None,
+                    tokenizer=None, table_columns=[], describe=dict, auxiliary_inputs=lambda limit: None,
+                    destandardize=lambda rows: rows)
+    data = SimpleNamespace(**{**defaults, **fields})
+    assert isinstance(data, AttackData)
+    return data
 
 
 def test_lti_test_with_dager_callback_writes_metrics_and_samples(make_config, tmp_path):
@@ -118,7 +131,7 @@ def test_fedavg_updates_are_attacked_as_pseudo_gradients_with_looser_thresholds(
     assert callback._trajectory(pipeline) == pytest.approx((0.0, 0.01, 0.02, 0.03))  # t * lr, t < 4 steps
     assert DagerCallback(follow_trajectory=False)._trajectory(pipeline) == ()
     module = Recorder()
-    trainer = SimpleNamespace(datamodule=SimpleNamespace(pipeline=pipeline, tokenizer=None), sanity_checking=False)
+    trainer = SimpleNamespace(datamodule=data_side(pipeline, seq_len=16), sanity_checking=False)
     callback.on_test_batch_end(trainer, module, None, batch, 0)
     assert module.logged["test/dager/exact_fraction"] == 1.0
     with pytest.raises(ValueError):
@@ -146,7 +159,7 @@ def test_dager_is_told_the_protocol_sizes_not_sizes_read_off_the_client_batch():
             seen.update(batch_size=batch_size, max_length=max_length, simulation=sequence_update)
             return super().attack(target, update, batch_size, max_length, trajectory, sequence_update)
 
-    datamodule = SimpleNamespace(pipeline=pipeline, tokenizer=None, sequences_per_update=2, seq_len=16)
+    datamodule = data_side(pipeline, seq_len=16)
     module = SimpleNamespace(log=lambda *args, **kwargs: None)
     DagerCallback(attack=Spy(), log_samples=False).on_test_batch_end(
         SimpleNamespace(datamodule=datamodule, sanity_checking=False), module, None, batch, 0)

@@ -9,6 +9,7 @@ import torch
 
 pytest.importorskip("lightning")
 
+from datamodules.attack_data import AttackData
 from datamodules.federated.hashing import Hashing
 from exact.callbacks import SpearCallback  # noqa: E402
 
@@ -23,8 +24,21 @@ class RecordingModule:
         self.logged[name] = float(value)
 
 
+def data_side(pipeline, **fields) -> SimpleNamespace:
+    """A DataModule's `AttackData` around a pipeline, without data (no prior, no table, no tokenizer)."""
+    def no_prior(limit):
+        raise AssertionError("the test did not expect a prior")
+
+    defaults = dict(pipeline=pipeline, seed=0, samples_per_update=pipeline.client.samples_per_update, seq_len=None,
+                    tokenizer=None, table_columns=[], describe=dict, auxiliary_inputs=no_prior,
+                    destandardize=lambda rows: rows)
+    data = SimpleNamespace(**{**defaults, **fields})
+    assert isinstance(data, AttackData)
+    return data
+
+
 def trainer_with(pipeline, **datamodule_fields) -> SimpleNamespace:
-    return SimpleNamespace(datamodule=SimpleNamespace(pipeline=pipeline, **datamodule_fields), sanity_checking=False)
+    return SimpleNamespace(datamodule=data_side(pipeline, **datamodule_fields), sanity_checking=False)
 
 
 def test_text_batch_recovers_transformer3_ffn_inputs():
@@ -86,10 +100,9 @@ def test_table_batch_gets_discrete_accuracy_and_mae():
     rows[0, torch.arange(5), 5 + torch.randint(0, 4, (5,), generator=gen)] = 1.0
     labels = torch.randint(0, 4, (1, 5), generator=gen)
     batch = {"inputs": rows, "labels": labels, "update": pipeline({"inputs": rows, "labels": labels}, keep_update=True).update}
-    data = SimpleNamespace(destandardize=lambda x: x * 10.0 + 40.0)  # original units
     module = RecordingModule()
     SpearCallback(layer="layers.0").on_test_batch_end(
-        trainer_with(pipeline, table_columns=columns, data=data), module, None, batch, 0)
+        trainer_with(pipeline, table_columns=columns, destandardize=lambda x: x * 10.0 + 40.0), module, None, batch, 0)
     logged = module.logged
     assert logged["test/spear/exact_fraction"] == 1.0 and logged["test/spear/certified_fraction"] == 1.0
     assert logged["test/spear/discrete_acc"] == 1.0
@@ -149,10 +162,20 @@ def test_prior_samples_guide_spear_with_the_servers_auxiliary_inputs():
     assert asked == [300]  # the prior's layer inputs are computed once
     with pytest.raises(ValueError):
         SpearCallback(layer="layers.0", prior_samples=-1)
-    # A datamodule without auxiliary inputs: a warning, and SPEAR runs unguided.
-    with pytest.warns(UserWarning, match="auxiliary_inputs"):
-        SpearCallback(layer="layers.0", attack=one_draw, prior_samples=10).on_test_batch_end(
-            trainer_with(pipeline), RecordingModule(), None, batch, 0)
+
+
+def test_a_datamodule_without_the_attack_interface_is_one_line_naming_what_is_missing():
+    pipeline = _vision_pipeline((1, 6, 6), samples=2)
+    partial = SimpleNamespace(pipeline=pipeline, seed=0, samples_per_update=2, seq_len=None, tokenizer=None,
+                              describe=dict, destandardize=lambda rows: rows)
+    assert not isinstance(partial, AttackData)
+    trainer = SimpleNamespace(datamodule=partial, sanity_checking=False)
+    with pytest.raises(ValueError, match=r"^SpearCallback reads AttackData from the DataModule, but SimpleNamespace lacks "
+                                         r"table_columns, auxiliary_inputs \(datamodules/attack_data.py\)$") as error:
+        SpearCallback(layer="layers.0").setup(trainer, RecordingModule(), "test")
+    assert "\n" not in str(error.value)
+    with pytest.raises(ValueError, match="none was given"):
+        SpearCallback(layer="layers.0").setup(SimpleNamespace(datamodule=None), RecordingModule(), "test")
 
 
 def test_exact_is_judged_against_the_truth_and_certified_is_spears_own_claim():

@@ -122,7 +122,7 @@ def test_checkpoint_from_another_hash_spec_is_rejected(make_config, tmp_path, ca
     config = make_config(**{"trainer.max_steps": 1, "trainer.limit_val_batches": 0})
     main(["fit", "--config", str(config)])
     with pytest.raises(SystemExit) as exit_info:
-        main(["test", "--config", str(config), "--ckpt_path", str(tmp_path / "ckpt" / "last.ckpt"), "--data.hash_bins", "7"])
+        main(["test", "--config", str(config), "--ckpt_path", str(tmp_path / "ckpt" / "last.ckpt"), "--data.hashing.bins", "7"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     trained_bins = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["lti"]["hash_spec"]["num_bins"]
@@ -190,7 +190,7 @@ def test_every_config_parses(config, capsys):
     parsed = yaml.safe_load(capsys.readouterr().out)
     assert "data" in parsed and "model" in parsed
     if config.startswith("configs/vision/protocols/"):  # the overlay's client replaces the base's FedSGD one
-        expected = yaml.safe_load((REPO / config).read_text())["data"]["init_args"]["client"]
+        expected = yaml.safe_load((REPO / config).read_text())["data"]["client"]  # the one overlay shape
         assert parsed["data"]["init_args"]["client"]["class_path"] == expected["class_path"]
 
 
@@ -294,6 +294,8 @@ def test_testing_under_another_defense_than_trained_is_said_once_and_recorded(ma
 
 @pytest.mark.parametrize("args, message", [
     (["--data.hash_fracton", "0.1"], "lti: error: unknown option 'data.hash_fracton' (did you mean 'data.hash_fraction'?)"),
+    (["--data.bach_size", "8"], "lti: error: unknown option 'data.bach_size' (did you mean 'data.batch_size'?)"),
+    (["--data.hashing.fracton", "0.1"], "lti: error: unknown option 'data.hashing.fracton' (did you mean 'data.hashing.fraction'?)"),
     (["--model.inverter.init_args.hiden", "8"], "lti: error: unknown option 'model.inverter.hiden' (did you mean 'model.inverter.hidden'?)"),
     (["--seed_everythng", "1"], "lti: error: unknown option 'seed_everythng' (did you mean 'seed_everything'?)"),
     (["--data.batch_size", "abc"], "lti: error: bad value for 'data.batch_size': Expected a <class 'int'>. Got value: abc"),
@@ -309,11 +311,11 @@ def test_config_typos_and_bad_values_are_one_line_without_the_usage_dump(make_co
 
 def test_a_typo_in_a_yaml_file_is_one_line_too(make_config, tmp_path, capsys):
     typo = tmp_path / "typo.yaml"
-    typo.write_text("data:\n  hash_fracton: 0.2\n")
+    typo.write_text("data:\n  hashing:\n    fracton: 0.2\n")
     with pytest.raises(SystemExit):
         main(["fit", "--config", str(make_config()), "--config", str(typo)])
     err = [line for line in capsys.readouterr().err.strip().splitlines() if line.strip()]
-    assert err == ["lti: error: unknown option 'data.hash_fracton' (did you mean 'data.hash_fraction'?); "
+    assert err == ["lti: error: unknown option 'data.hashing.fracton' (did you mean 'data.hashing.fraction'?); "
                    "`lti fit --help` lists every option"]
 
 
@@ -326,7 +328,11 @@ def test_a_trainer_option_typo_gets_a_suggestion(make_config, capsys):
 
 def test_shipped_configs_hold_no_paths_outside_the_repository():
     for path in (REPO / "configs").rglob("*.yaml"):
-        body = "\n".join(line.split("#", 1)[0] for line in path.read_text().splitlines())  # comments may show examples
+        lines = [line.split("#", 1)[0] for line in path.read_text().splitlines()]  # comments may show examples
+        includes = [line.split(":", 1)[1].strip() for line in lines if line.startswith("config:")]
+        for included in includes:  # an overlay may include another shipped one, by a path relative to itself
+            assert (path.parent / included).resolve().is_relative_to(REPO / "configs"), path
+        body = "\n".join(line for line in lines if not line.startswith("config:"))
         assert "../" not in body and "/work/" not in body and "/home/" not in body, path
 
 
@@ -347,3 +353,34 @@ def test_the_checkpoint_line_names_sizes_and_links(tmp_path):
     (tmp_path / "last.ckpt").symlink_to("step1000.ckpt")
     assert describe_checkpoints(tmp_path) == (f"lti: checkpoints in {tmp_path}: step1000.ckpt (735 MB), last.ckpt -> step1000.ckpt; "
                                               f"`--ckpt_path {tmp_path / 'last.ckpt'}` tests or resumes this run")
+
+
+@pytest.mark.parametrize("defense", sorted(p.name for p in (REPO / "configs" / "defenses").glob("*.yaml")))
+@pytest.mark.parametrize("base", ["configs/quickstart.yaml", "configs/vision/lti_digits.yaml"])
+def test_one_defense_overlay_applies_to_text_and_vision(base, defense, capsys):
+    overlay = REPO / "configs" / "defenses" / defense
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(REPO / base), "--config", str(overlay), "--print_config"])
+    data = yaml.safe_load(capsys.readouterr().out)["data"]["init_args"]
+    assert data["defense"]["class_path"] == yaml.safe_load(overlay.read_text())["data"]["defense"]["class_path"]
+    for key, value in yaml.safe_load(overlay.read_text())["data"]["defense"].get("init_args", {}).items():
+        assert data["defense"]["init_args"][key] == value
+
+
+@pytest.mark.parametrize("overlay, base", [
+    *[(f"configs/paper/defenses/{name}.yaml", "configs/paper/lti_wikitext103.yaml") for name in ("none", "sign", "prune", "gauss")],
+    *[(f"configs/reproduction/{recipe}/{name}.yaml", f"configs/reproduction/{recipe}.yaml")
+      for recipe in ("lti", "lti_p") for name in ("sign", "prune", "gauss")],
+])
+def test_recipe_defense_overlays_include_the_one_defense_overlay(overlay, base, capsys):
+    """Each setting's parameters (Gaussian sigma = 0.01, pruning 0.99) live in configs/defenses/ only."""
+    included = (REPO / overlay).parent / yaml.safe_load((REPO / overlay).read_text())["config"]
+    assert included.resolve().parent == REPO / "configs" / "defenses"
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(REPO / base), "--config", str(REPO / overlay), "--print_config"])
+    parsed = yaml.safe_load(capsys.readouterr().out)
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(REPO / base), "--config", str(included), "--print_config"])
+    alone = yaml.safe_load(capsys.readouterr().out)
+    assert parsed["data"]["init_args"]["defense"] == alone["data"]["init_args"]["defense"]
+    assert "defense:" not in (REPO / overlay).read_text()  # not restated

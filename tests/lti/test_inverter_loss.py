@@ -130,7 +130,7 @@ def test_a_module_that_recovers_every_sequence_in_another_order_scores_full_accu
 
     targets = torch.tensor([[5, 6, 7, 1, 2, 3], [9, 9, 8, 4, 4, 0]])  # 2 updates of 2 sequences of 3 tokens
     swapped = targets.view(2, 2, 3)[:, [1, 0]].reshape(2, 6)
-    data = SimpleNamespace(sequences_per_update=2, seed=0, majority_tokens=torch.zeros(6, dtype=torch.long),
+    data = SimpleNamespace(samples_per_update=2, seed=0, majority_tokens=torch.zeros(6, dtype=torch.long),
                            decode=lambda ids, mask=None: [" ".join(map(str, row.tolist())) for row in ids])
 
     class Recovers(torch.nn.Module):  # predicts the true sequences, the update's two in swapped order

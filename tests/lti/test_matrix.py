@@ -42,7 +42,7 @@ def test_grid_runs_writes_tables_and_plots_and_resumes(grid_file, tmp_path):
     assert all(line.endswith("done before, skipped") for line in lines) and len(lines) == 4
     assert [r["metrics"] for r in again if r["status"] == "ok"] == [r["metrics"] for r in records if r["status"] == "ok"]
     # ... unless a cell's arguments change: only the changed defense's cell runs again.
-    grid.defenses[0].overrides = {"data.hash_bins": 9}
+    grid.defenses[0].overrides = {"data.hashing.bins": 9}
     lines.clear()
     run_grid(grid, "inline", echo=lines.append, only={"attack": ["dager"]})
     assert lines == ["[2/2] fedsgd x gauss x dager: done before, skipped", "[1/2] fedsgd x none x dager: running ...", lines[2]]
@@ -141,7 +141,7 @@ def test_resume_from_an_earlier_table_under_another_out_dir(grid_file, tmp_path,
 
     # A record made with other arguments is not imported.
     changed = load_grid(grid_file, out_dir=tmp_path / "changed")
-    changed.overrides = {**changed.overrides, "data.hash_bins": 9}
+    changed.overrides = {**changed.overrides, "data.hashing.bins": 9}
     assert import_records(changed, table) == 0
     assert not (changed.out_dir / "cells").exists()
 
@@ -249,7 +249,7 @@ def test_dry_run_estimates_the_cells_to_run_from_the_finished_ones(grid_file):
     assert plan_grid(grid, None, echo=lines.append) == 3
     assert lines[-1] == "# 3 cells to run (grid: about 3 min left plus 2 cells never timed, from the finished cells' times)"
     # Once its arguments change, the finished cell is stale: it runs again and its time no longer counts.
-    grid.defenses[0].overrides = {"data.hash_bins": 9}
+    grid.defenses[0].overrides = {"data.hashing.bins": 9}
     lines.clear()
     assert plan_grid(grid, {"attack": ["dager"]}, echo=lines.append) == 2 and lines[-1] == "# 2 cells to run"
 

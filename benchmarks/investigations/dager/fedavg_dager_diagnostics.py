@@ -23,7 +23,7 @@ import argparse
 
 import torch
 
-from datamodules.federated import FedAvgClient
+from datamodules.federated import FedAvgClient, Hashing
 from datamodules.targets import Transformer3
 from datamodules.text_inversion import TextInversionDataModule
 from exact import Dager
@@ -35,7 +35,7 @@ def observed_batch(dtype: str, epochs: int, minibatch: int, seed: int):
     torch.manual_seed(seed)
     client = FedAvgClient("eval", 4, local_epochs=epochs, minibatch_size=minibatch, lr=0.01, dtype=dtype)
     data = TextInversionDataModule(
-        target=Transformer3(dropout=0.1), client=client, hash_fraction=0.02, batch_size=32, eval_samples=32,
+        target=Transformer3(dropout=0.1), client=client, hashing=Hashing(fraction=0.02), batch_size=32, eval_samples=32,
     )
     data.setup("test")
     torch.manual_seed(seed)

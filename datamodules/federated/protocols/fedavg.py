@@ -79,7 +79,6 @@ class FedAvgClient(LocalSGD, ClientProtocol):  # LocalSGD first: its step counts
         check_choice("implementation", implementation, ("vmap", "loop"))
         check_choice("dtype", dtype, ("model", "float32", "float64"))
         self.mode = mode
-        self.samples_per_update = samples_per_update
         self._init_local_sgd(samples_per_update, local_epochs, minibatch_size, lr, momentum, shuffle, trainable)
         self.implementation = implementation
         self.dtype = dtype

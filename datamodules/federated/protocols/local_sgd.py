@@ -44,6 +44,7 @@ class LocalSGD(SingleStep):
     """Mixin: E epochs of minibatch SGD on the client's n samples; the delta w_start - w_end."""
 
     trainable: list[str] | None
+    samples_per_update: int  # n, the client's local samples
     local_epochs: int
     minibatch_size: int
     lr: float
@@ -63,7 +64,7 @@ class LocalSGD(SingleStep):
             raise ValueError(f"FedAvg lr={lr} must be a finite number > 0")
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"FedAvg momentum={momentum} is outside [0, 1)")
-        self._local_samples = int(samples_per_update)
+        self.samples_per_update = int(samples_per_update)
         self.local_epochs = int(local_epochs)
         self.minibatch_size = int(minibatch_size)
         self.lr = float(lr)
@@ -87,14 +88,14 @@ class LocalSGD(SingleStep):
 
     @property
     def steps_per_epoch(self) -> int:
-        return math.ceil(self._local_samples / self.minibatch_size)
+        return math.ceil(self.samples_per_update / self.minibatch_size)
 
     def local_steps(self) -> int:
         return self.local_epochs * self.steps_per_epoch
 
     def privacy_steps(self) -> tuple[int, float]:
         """One accountant step per local step, sample rate B / n."""
-        return self.local_steps(), min(1.0, self.minibatch_size / self._local_samples)
+        return self.local_steps(), min(1.0, self.minibatch_size / self.samples_per_update)
 
     def gradient_scale(self) -> float:
         """The delta is lr x the sum of the steps' gradients: 1 / (steps x lr) makes it their mean."""
@@ -102,7 +103,7 @@ class LocalSGD(SingleStep):
 
     def minibatch_order(self, updates: int, generator: torch.Generator | None, device: torch.device) -> Tensor:
         """(U, n) sample order of one epoch per client: a fresh permutation each epoch unless shuffle is off."""
-        n = self._local_samples
+        n = self.samples_per_update
         if not self.shuffle:
             return torch.arange(n, device=device).expand(updates, n)
         draw_device = generator.device if generator is not None else device
