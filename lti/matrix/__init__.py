@@ -20,12 +20,17 @@ per cell from the grid's `resources:` block and `--resource`. Every cell writes 
 folder (records are written whole).
 The table goes to `matrix.csv`, `matrix.json`, `matrix.md`, the plots to
 `*.png`, and all of them to one W&B run (offline unless the grid says otherwise).
+Before any cell runs (and with `--dry_run`), every cell's arguments are parsed by the parser of `lti fit`:
+a misspelled override stops the grid with the CLI's own line ("did you mean ..."). A failed cell's
+record holds its reason on one line; `lti matrix` exits 1 when a selected cell failed, 2 on bad input,
+130 on Ctrl-C (finished cells keep their records).
 
 This package drives the CLI; it holds no model code. Its modules, each importing only those above it:
 
 * `resources`: the resources a cell may ask for, from the grid file and `--resource`;
 * `grid`: the grid file (`Entry`, `Grid`, `load_grid`) and each cell's id, folder, commands, fingerprint;
 * `records`: the cells' `cell.json` records, and importing them from an earlier `matrix.json`;
+* `validation`: the cells' `lti` arguments checked by the Lightning CLI's parser before anything runs;
 * `report`: the tables, plots and W&B run;
 * `cell`: one cell's `lti` runs in the current process, and its record;
 * `launchers`: where cells run (`inline`, `local`, `slurm`), their jobs' files and states;

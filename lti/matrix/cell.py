@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from lti.matrix.grid import METRICS, Entry, Grid, cell_commands, cell_fingerprint, cell_folder, not_applicable
+from lti.matrix.records import one_line
 
 
 def _find(tree: Any, key: str) -> Any:
@@ -45,14 +46,24 @@ def _run_lti(args: list[str]) -> None:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def failure_reason(error: BaseException) -> str:
+    """Why a cell failed, in one line: for the user's mistakes (a bad option or value, a missing file)
+    what `lti fit` itself prints, e.g. "unknown option 'data.defense.sigmaa' (did you mean ...)";
+    for anything else the error's type and message."""
+    trainer_cli = sys.modules.get("lti.trainer_cli")  # not imported anew: its own import may be what failed
+    if trainer_cli is not None and isinstance(error, trainer_cli.USER_ERRORS):
+        return one_line(trainer_cli.user_message(error))
+    return one_line(f"{type(error).__name__}: {error}")
+
+
 def _base_record(grid: Grid, protocol: Entry, defense: Entry, attack: Entry) -> dict[str, Any]:
     return {"protocol": protocol.name, "defense": defense.name, "attack": attack.name, "kind": attack.kind,
             "noise": defense.noise, "fingerprint": cell_fingerprint(grid, protocol, defense, attack)}
 
 
 def failed_record(grid: Grid, cell: tuple[Entry, Entry, Entry], reason: str, seconds: float | None = None) -> dict:
-    """The record of a cell that failed (retried by the next run of the grid)."""
-    return {**_base_record(grid, *cell), "status": "failed", "reason": reason[:300], "seconds": seconds}
+    """The record of a cell that failed (retried by the next run of the grid); `reason` is kept on one line."""
+    return {**_base_record(grid, *cell), "status": "failed", "reason": one_line(reason), "seconds": seconds}
 
 
 def run_cell(grid: Grid, protocol: Entry, defense: Entry, attack: Entry) -> dict:
@@ -74,8 +85,7 @@ def run_cell(grid: Grid, protocol: Entry, defense: Entry, attack: Entry) -> dict
     except (Exception, SystemExit) as error:  # noqa: BLE001 - one failed cell must not stop the grid
         if type(error).__name__ == "SIGTERMException":
             raise  # the grid was stopped (Lightning turns SIGTERM into this): not the cell's failure
-        return failed_record(grid, (protocol, defense, attack), f"{type(error).__name__}: {error}",
-                             time.perf_counter() - start)
+        return failed_record(grid, (protocol, defense, attack), failure_reason(error), time.perf_counter() - start)
     metrics = result["metrics"]
     prefix = attack.metrics_prefix.rstrip("/")
     values = {m: metrics.get(f"{prefix}/{m}") for m in (*METRICS, *attack.extra_metrics)}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lti.matrix.grid import load_grid
+from lti.matrix.grid import cell_id, cell_list, load_grid, select_cells
 from lti.matrix.launchers import LAUNCHERS
 from lti.matrix.records import import_records
 from lti.matrix.resources import RESOURCE_KEYS, parse_resource_flags
@@ -22,12 +22,27 @@ def _print_status(rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """`lti matrix ...`. Exits 2 on bad input (one line per problem), 1 when a selected cell failed (the table is
+    written first, and the count said), 130 on Ctrl-C (one line; finished cells keep their records)."""
+    try:
+        _main(argv)
+    except KeyboardInterrupt:
+        # A launcher has stopped what it started (lti.matrix.launchers); every finished cell's record is
+        # whole on disk (written aside and renamed), so the tables can be built from them.
+        print("lti matrix: interrupted; the finished cells keep their records (`--collect` builds the tables "
+              "from them, a rerun resumes the rest)", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
+def _main(argv: list[str] | None) -> None:
     from lti import matrix  # the package docstring's first paragraph describes the command
 
     parser = argparse.ArgumentParser(prog="lti matrix", description=matrix.__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="resources (--resource [learned.|exact.]KEY=VALUE, or the grid's resources: block):\n"
-                                            + "\n".join(f"  {k:<12} {help}" for k, (_, help) in RESOURCE_KEYS.items()))
+                                            + "\n".join(f"  {k:<12} {help}" for k, (_, help) in RESOURCE_KEYS.items())
+                                            + "\n\nexit status: 0 done, 1 a selected cell failed, 2 bad input "
+                                              "(e.g. a cell's arguments), 130 interrupted")
     parser.add_argument("--grid", required=True, help="grid YAML (see configs/matrix/)")
     parser.add_argument("--out_dir", help="where cells, tables and plots go (default: the grid's out_dir)")
     for axis in ("attack", "protocol", "defense"):
@@ -80,3 +95,10 @@ def main(argv: list[str] | None = None) -> None:
     failed = [r for r in records if r["status"] == "failed"]
     print(f"\n{len(records)} cells ({len(failed)} failed) -> {grid.out_dir / 'matrix.md'}")
     print((grid.out_dir / "matrix.md").read_text())
+    if LAUNCHERS[launcher].waits:  # the selected cells have run: say so if any of them failed
+        selected = {cell_id(*cell) for cell in select_cells(grid, only)}
+        names = [key for r in failed if (key := f"{r['protocol']}__{r['defense']}__{r['attack']}") in selected]
+        if names:
+            print(f"lti matrix: {len(names)} of {len(selected)} selected cells failed ({cell_list(names)}); "
+                  "their reasons are in matrix.md and `--status`", file=sys.stderr)
+            raise SystemExit(1)

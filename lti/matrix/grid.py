@@ -117,6 +117,11 @@ def cell_id(protocol: Entry, defense: Entry, attack: Entry) -> str:
     return f"{protocol.name}__{defense.name}__{attack.name}"
 
 
+def cell_list(ids: list[str], shown: int = 4) -> str:
+    """Cell ids for a one-line message: the first `shown`, then how many more."""
+    return ", ".join(ids[:shown]) + (f" and {len(ids) - shown} more" if len(ids) > shown else "")
+
+
 def not_applicable(protocol: Entry, defense: Entry, attack: Entry) -> str | None:
     """The grid's reason the attack does not apply to this protocol or defense (None: it applies)."""
     return attack.not_applicable.get(protocol.name) or attack.not_applicable.get(defense.name)

@@ -15,6 +15,7 @@ command line.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -23,7 +24,7 @@ import socket
 import sys
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -255,6 +256,14 @@ class LocalLauncher(SubmititLauncher):
         return {"timeout_min": resources.get("timeout_min", _LOCAL_TIMEOUT_MIN), "gpus_per_node": gpus,
                 "visible_gpus": visible}
 
+    def submit(self, cell: Cell):
+        # Ctrl-C in a terminal reaches every process of its foreground group, submitit's job controller
+        # too, which then prints a traceback of its own: its stderr goes to the cell's job folder.
+        folder = cell_folder(self.grid, *cell) / "job"
+        folder.mkdir(parents=True, exist_ok=True)
+        with _stderr_of_started_processes(folder / "controller.err"):
+            return super().submit(cell)
+
     def launch(self, cells, on_start, on_record):
         waiting, running = list(cells), []
         try:
@@ -289,6 +298,22 @@ class LocalLauncher(SubmititLauncher):
             record = failed_record(self.grid, cell, f"job {job.job_id}: {tail}")
             _save_record(self.grid, cell, record)
             return record
+
+
+@contextlib.contextmanager
+def _stderr_of_started_processes(path: Path) -> Iterator[None]:
+    """Processes started inside this block write their stderr to `path` (this process's own stderr is
+    redirected meanwhile, and restored after)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(path, "ab") as target:
+            os.dup2(target.fileno(), 2)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _visible_gpus() -> tuple[int, ...]:

@@ -12,6 +12,16 @@ from lti.matrix.grid import Entry, Grid, cell_fingerprint, cell_folder, cell_id
 #: Record statuses that count as done (a rerun skips them); "failed" cells are retried.
 FINISHED_STATUSES = ("ok", "n/a")
 
+#: The longest reason a record keeps (a failed cell's error, shortened).
+REASON_CHARS = 300
+
+
+def one_line(text: str, limit: int = REASON_CHARS) -> str:
+    """`text` on one line (a record's reason goes into one table cell and one `--status` row),
+    shortened to `limit` characters."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
 
 def _save_record(grid: Grid, cell: tuple[Entry, Entry, Entry], record: dict) -> None:
     path = cell_folder(grid, *cell) / "cell.json"
@@ -32,6 +42,11 @@ def _finished(grid: Grid, protocol: Entry, defense: Entry, attack: Entry, failed
     if record.get("fingerprint") != cell_fingerprint(grid, protocol, defense, attack):
         return None
     return record if failed_too or record.get("status") in FINISHED_STATUSES else None
+
+
+def stored_records(grid: Grid) -> list[dict]:
+    """The records (finished or failed) of the grid's cells made with their current arguments, in grid order."""
+    return [r for r in (_finished(grid, *c, failed_too=True) for c in grid.cells()) if r is not None]
 
 
 def importable_records(grid: Grid, table: str | Path) -> dict[str, dict]:

@@ -10,11 +10,18 @@ from pathlib import Path
 from lti.matrix.grid import METRICS, Entry, Grid
 
 
+def markdown_escape(text: str) -> str:
+    """`text` as the content of one markdown table cell: one line, its pipes and backslashes escaped, and
+    no `<...>` (e.g. "<class 'NoneType'>") that a renderer would take for an HTML tag."""
+    text = " ".join(str(text).split()).replace("\\", "\\\\").replace("|", "\\|")
+    return text.replace("<", "&lt;").replace(">", "&gt;")
+
+
 def _cell_text(record: dict | None) -> str:
     if record is None:
         return ""
     if record["status"] != "ok":
-        return f"{record['status']}: {record.get('reason', '')}".replace("|", "/")
+        return markdown_escape(f"{record['status']}: {record.get('reason', '')}")
     m = record["metrics"]
     shown = [f"{100 * m[k]:.1f}" if m.get(k) is not None else "-" for k in ("token_acc", "rouge1")]
     extra = [f"{k} {100 * m[k]:.1f}" for k in m if k not in METRICS and k != "baseline_token_acc" and m[k] is not None]
@@ -42,7 +49,7 @@ def markdown_table(grid: Grid, records: list[dict]) -> str:
     by_key = {(r["protocol"], r["defense"], r["attack"]): r for r in records}
     attacks = [a.name for a in grid.attacks if any(r["attack"] == a.name for r in records)]
     lines = ["Cells: token accuracy / ROUGE-1 (%) on held-out clients; extra metrics in brackets.", "",
-             "| protocol | defense | epsilon | " + " | ".join(attacks) + " | baseline |",
+             "| " + " | ".join(["protocol", "defense", "epsilon", *attacks, "baseline"]) + " |",
              "|---|---|---|" + "---|" * (len(attacks) + 1)]
     for p in grid.protocols:
         for d in grid.defenses:

@@ -10,8 +10,9 @@ from typing import Any
 from lti.matrix.cell import run_cell
 from lti.matrix.grid import METRICS, Entry, Grid, cell_commands, cell_id, not_applicable, select_cells
 from lti.matrix.launchers import Launcher, job_states, make_launcher, read_job_file
-from lti.matrix.records import FINISHED_STATUSES, _finished, _save_record, importable_records
+from lti.matrix.records import FINISHED_STATUSES, _finished, _save_record, importable_records, stored_records
 from lti.matrix.report import write_outputs
+from lti.matrix.validation import check_arguments
 
 # --------------------------------------------------------------------------------------------------------
 # Time estimate
@@ -72,12 +73,15 @@ def run_grid(grid: Grid, launcher: str | Launcher = "inline", only: dict[str, li
     Cells already finished with the same arguments are skipped; the tables cover every cell of the
     grid finished so far (this run or earlier ones), so a large grid can be filled in slices.
     `max_parallel` cells run at once (local launcher). Returns the records finished so far.
+    The arguments of the cells to run are checked first (`check_arguments`): if any does not parse,
+    ValueError says which and why, and nothing runs.
     """
     if isinstance(launcher, str):
         launcher = make_launcher(launcher, grid, max_parallel, resources)
     cells = select_cells(grid, only)
     # Finished records, read once and kept up to date: the time estimate needs all of them per cell.
     done = {cell_id(*c): r for c in grid.cells() if (r := _finished(grid, *c)) is not None}
+    check_arguments(grid, [c for c in cells if cell_id(*c) not in done and not not_applicable(*c)])
     numbers = {cell_id(*cell): number for number, cell in enumerate(cells, 1)}
 
     def name(cell) -> str:
@@ -119,13 +123,28 @@ def run_grid(grid: Grid, launcher: str | Launcher = "inline", only: dict[str, li
     if not launcher.waits:
         echo(f"{len(todo)} cell{'s' * (len(todo) != 1)} submitted ({launcher.name}); follow them with "
              f"`lti matrix --grid ... --status`, build the tables with `--collect`")
-    return collect(grid)
+    records = stored_records(grid)
+    write_outputs(grid, records)
+    return records
+
+
+def _require_cells_folder(grid: Grid) -> None:
+    if not (grid.out_dir / "cells").is_dir():
+        raise FileNotFoundError(f"no cells under {str(grid.out_dir)!r}: the grid has not run there "
+                                "(check --out_dir, or the grid's out_dir)")
 
 
 def collect(grid: Grid) -> list[dict]:
     """`--collect`: the tables and plots from every cell record on disk (finished or failed), whatever
-    ran them; cells still running or pending are left out. Returns the records."""
-    records = [r for r in (_finished(grid, *c, failed_too=True) for c in grid.cells()) if r is not None]
+    ran them; cells still running or pending are left out. Returns the records.
+
+    Raises FileNotFoundError, and writes nothing, when no cell has a record there (a mistyped folder,
+    or a grid whose cells have not finished yet)."""
+    _require_cells_folder(grid)
+    records = stored_records(grid)
+    if not records:
+        raise FileNotFoundError(f"no cell under {str(grid.out_dir)!r} has finished yet: nothing to collect "
+                                "(`--status` lists the cells)")
     write_outputs(grid, records)
     return records
 
@@ -141,8 +160,11 @@ def grid_status(grid: Grid, only: dict[str, list[str]] | None = None) -> list[di
     lives by the engine's account is running, queued or submitted (state unknown: sacct not
     reachable), even if an earlier attempt left a failed record; otherwise its record says done, n/a
     or failed; a cell without either is failed if its SLURM job ended in failure, and pending
-    otherwise (never run, or its job was stopped before it wrote a record)."""
+    otherwise (never run, or its job was stopped before it wrote a record).
+
+    Raises FileNotFoundError when the grid's folder holds no cells (a mistyped folder, a grid never run)."""
     cells = select_cells(grid, only)
+    _require_cells_folder(grid)
     jobs = [read_job_file(grid, cell) for cell in cells]
     asked = [job for job in jobs if job is not None]
     states = dict(zip(map(id, asked), job_states(asked)))
@@ -167,7 +189,8 @@ def grid_status(grid: Grid, only: dict[str, list[str]] | None = None) -> list[di
 def plan_grid(grid: Grid, only: dict[str, list[str]] | None = None, resume_from: str | Path | None = None,
               echo=print, max_parallel: int = 1) -> int:
     """`--dry_run`: prints the `lti` commands of the selected cells that would run, a comment for the
-    cells already finished (here or in `resume_from`, read only) or n/a, and the time estimate.
+    cells already finished (here or in `resume_from`, read only) or n/a, and the time estimate, then
+    checks the arguments of the cells to run as a run would (ValueError if any does not parse).
     Writes nothing; returns how many cells would run."""
     imported = importable_records(grid, resume_from) if resume_from else {}
     finished = {cell_id(*c): _finished(grid, *c) or imported.get(cell_id(*c)) for c in grid.cells()}
@@ -186,4 +209,5 @@ def plan_grid(grid: Grid, only: dict[str, list[str]] | None = None, resume_from:
     known = [r for r in finished.values() if r is not None]
     seconds, unknown = estimate_remaining(known, pending)
     echo(f"# {len(pending)} cell{'s' * (len(pending) != 1)} to run{_eta_text((seconds / max_parallel, unknown))}")
+    check_arguments(grid, pending)
     return len(pending)
