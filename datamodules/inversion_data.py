@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from jsonargparse import lazy_instance
@@ -91,6 +91,7 @@ class InversionDataModule(LightningDataModule):
         keep_eval_updates: bool = True,
         num_workers: int = 0,
         seed: int = 0,
+        grouping: Literal["fixed", "fresh"] = "fixed",
         hash_fraction: float | None = None,
         hash_bins: int | None = None,
         hash_seed: int | None = None,
@@ -127,6 +128,13 @@ class InversionDataModule(LightningDataModule):
                 draw made in the main process, so that a resumed run continues exactly; the update
                 computation runs in the main process too).
             seed: Seed of the grouping of samples into updates (and of text's pseudo-data draws).
+            grouping: How the training samples form updates of m > 1 samples: `fixed` (grouped once by
+                the seed, every epoch the same updates) or `fresh` (m samples drawn afresh for every
+                update, new groupings every epoch: the inverter cannot memorise them). With `fresh` the
+                observation cache holds one-sample updates and averages m of them per update, which is
+                exact for a FedSGD client (its update is the mean of its samples') under no defense or
+                Gaussian noise (added after the averaging); sign, pruning and DP-SGD are not linear, so
+                their updates are computed on the fly. Evaluation updates are always fixed.
             hash_fraction: Deprecated: use hashing.fraction.
             hash_bins: Deprecated: use hashing.bins.
             hash_seed: Deprecated: use hashing.seed.
@@ -150,6 +158,9 @@ class InversionDataModule(LightningDataModule):
                                                hashing, cache)
         self.batch_size, self.train_samples, self.eval_samples = batch_size, train_samples, eval_samples
         self.keep_eval_updates, self.num_workers, self.seed = keep_eval_updates, num_workers, seed
+        if grouping not in ("fixed", "fresh"):
+            raise ValueError(f"grouping {grouping!r} is not allowed; use 'fixed' or 'fresh'")
+        self.grouping = grouping
         self._splits: dict[str, ClientUpdates] | None = None
         self._cache = None
 
@@ -215,12 +226,41 @@ class InversionDataModule(LightningDataModule):
         """Training batches consumed so far (0 without a trainer; a resumed run's restored step)."""
         return 0 if self.trainer is None else self.trainer.global_step
 
+    @property
+    def fresh_groups(self) -> int:
+        """m when training updates are grouped afresh at every step, else 1 (fixed groupings)."""
+        return self.samples_per_update if self.grouping == "fresh" else 1
+
+    def _training_updates(self) -> ClientUpdates:
+        """The training split as the stream reads it: its updates, or with fresh groupings its samples
+        (the same samples, each a one-sample update)."""
+        updates = self._splits[self.train_split]
+        if self.fresh_groups == 1:
+            return updates
+        return ClientUpdates(**{k: v.reshape(-1, 1, *v.shape[2:]) for k, v in updates.fields.items()})
+
     def train_dataloader(self) -> DataLoader:
         cache = self._open_cache() if self.observation.cache.path else None
         return self._stream_loader(AuxiliaryStream(
-            self._splits[self.train_split], self.batch_size, self.seed, self._rank(), self._world_size(),
-            self.training_position, features=cache.features if cache is not None else None,
+            self._training_updates(), self.batch_size, self.seed, self._rank(), self._world_size(),
+            self.training_position, features=cache.features if cache is not None else None, group=self.fresh_groups,
         ))
+
+    def _cache_pipeline(self) -> UpdatePipeline:
+        """The pipeline whose updates the cache holds: with fresh groupings, one-sample updates, which
+        the cache averages into updates of m (exact only where the update is the samples' mean and the
+        cached part of the defense is linear)."""
+        if self.fresh_groups == 1:
+            return self.pipeline
+        client, defense = self.client, self.pipeline.defense
+        if not client.update_is_sample_mean:
+            raise ValueError(f"data.grouping fresh with data.cache.path: {type(client).__name__}'s update is not the mean "
+                             "of its samples' updates, so it cannot be averaged from cached ones; drop data.cache.path")
+        split = defense.split_noise()
+        if split is None or not split[0].linear:
+            raise ValueError(f"data.grouping fresh with data.cache.path: {type(defense).__name__} is not linear, so an update "
+                             "of m samples is not the mean of their cached updates; drop data.cache.path (computed on the fly)")
+        return self.pipeline.with_client(client.single_sample())
 
     def _open_cache(self):
         """The observation cache of the auxiliary updates (built on rank 0 first; the others wait, so
@@ -233,7 +273,7 @@ class InversionDataModule(LightningDataModule):
             if self.trainer is not None:  # build on the run's device (a GPU computes the updates far faster)
                 self.pipeline.to(self.trainer.strategy.root_device)
             try:
-                self._cache = ObservationCache(self.observation.cache.path, self.pipeline, self._splits[self.train_split],
+                self._cache = ObservationCache(self.observation.cache.path, self._cache_pipeline(), self._training_updates(),
                                                self.batch_size, rebuild=self.observation.cache.rebuild and builder,
                                                client_batch=self.client_batch, build=builder)
             finally:
@@ -302,6 +342,8 @@ class InversionDataModule(LightningDataModule):
             "samples_per_update": self.samples_per_update,
             **self._describe_data(),
         }
+        if self.grouping != "fixed":  # the default is left out, so settings recorded before it existed still match
+            setting["grouping"] = self.grouping
         # DP-SGD reports its (epsilon, delta) for one client's local steps under this protocol.
         privacy = self.pipeline.defense.privacy(*self.client.privacy_steps())
         if privacy is not None:

@@ -193,10 +193,17 @@ class ObservationCache:
         return self._features.shape[0]
 
     def features(self, index: Tensor, generator: torch.Generator | None = None) -> Tensor:
-        """Rows `index` as float32 (n, k), with fresh per-bin noise under a Gaussian-noise defense."""
+        """Rows `index` (n,) as float32 (n, k), with fresh per-bin noise under a Gaussian-noise defense.
+
+        With `index` (n, m) of one-sample rows: the features of n updates of m samples each, the mean of
+        their m rows (hashing is linear and the update is the samples' mean), then the noise the client
+        adds to that mean."""
         index = index.cpu()
-        rows = torch.from_numpy(np.ascontiguousarray(self._features[index.numpy()])).float()
-        rows *= self._scales[index][:, None]
+        flat = index.reshape(-1)
+        rows = torch.from_numpy(np.ascontiguousarray(self._features[flat.numpy()])).float()
+        rows *= self._scales[flat][:, None]
+        if index.dim() == 2:
+            rows = rows.view(*index.shape, -1).mean(dim=1)
         if self.noise_sigma > 0:
             rows += self.noise_std * torch.randn(rows.shape, generator=generator)
         return rows

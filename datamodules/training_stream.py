@@ -85,18 +85,30 @@ class TrainingStream(IterableDataset, ABC):
 
 class AuxiliaryStream(TrainingStream):
     """Auxiliary client updates, each epoch in a fresh permutation fixed by (seed, epoch); drops the
-    last incomplete batch of an epoch."""
+    last incomplete batch of an epoch.
+
+    With `group` = m > 1 the items of `updates` are single samples (fields (N, 1, ...)) and every batch
+    groups m consecutive samples of the epoch's permutation into one update (fields (B, m, ...)): each
+    epoch forms new groupings, so a run never sees the same update of m samples twice in practice,
+    where updates grouped once are seen again every epoch (and memorised: docs/batched_updates.md)."""
 
     def __init__(self, updates: ClientUpdates, batch_size: int, seed: int, rank: int = 0, world_size: int = 1,
                  position: Callable[[], int] | None = None,
-                 features: Callable[[Tensor, torch.Generator], Tensor] | None = None) -> None:
-        """`features(index, generator)`: the observed features of updates `index` (a cache), put in the
+                 features: Callable[[Tensor, torch.Generator], Tensor] | None = None, group: int = 1) -> None:
+        """`features(index, generator)`: the observed features of updates `index` (a cache; with `group` > 1,
+        `index` is (B, m) and the features are those of each row's update of m samples), put in the
         batch as `features`, with a generator seeded by the step for any noise it adds."""
-        per_epoch = len(updates) // (batch_size * world_size)
+        if group < 1:
+            raise ValueError(f"group={group} must be >= 1")
+        if group > 1 and next(iter(updates.fields.values())).shape[1] != 1:
+            raise ValueError("fresh groupings group single samples: give updates of one sample each")
+        per_epoch = len(updates) // (batch_size * group * world_size)
         if per_epoch < 1:
-            raise ValueError(f"only {len(updates)} auxiliary updates: too few for one batch of {batch_size} on {world_size} rank(s)")
+            what = f"{len(updates)} auxiliary samples" if group > 1 else f"{len(updates)} auxiliary updates"
+            unit = f"updates of {group} samples" if group > 1 else "updates"
+            raise ValueError(f"only {what}: too few for one batch of {batch_size} {unit} on {world_size} rank(s)")
         super().__init__(per_epoch, seed, rank, world_size, position)
-        self.updates, self.batch_size, self.features = updates, batch_size, features
+        self.updates, self.batch_size, self.features, self.group = updates, batch_size, features, group
         self._permutation: tuple[int, Tensor] | None = None
 
     def permutation(self, epoch: int) -> Tensor:
@@ -107,9 +119,18 @@ class AuxiliaryStream(TrainingStream):
 
     def batch(self, step: int) -> dict[str, Tensor]:
         epoch, i = divmod(step, self.batches_per_epoch)
-        start = (i * self.world_size + self.rank) * self.batch_size
-        index = self.permutation(epoch)[start : start + self.batch_size]
-        batch = {**{name: value[index] for name, value in self.updates.fields.items()}, "index": index}
+        if self.group > 1:
+            size = self.batch_size * self.group
+            start = (i * self.world_size + self.rank) * size
+            index = self.permutation(epoch)[start : start + size].view(self.batch_size, self.group)
+            # (B * m, 1, ...) single samples -> (B, m, ...) updates
+            fields = {name: value[index.reshape(-1)].view(self.batch_size, self.group, *value.shape[2:])
+                      for name, value in self.updates.fields.items()}
+            batch = {**fields, "index": index}
+        else:
+            start = (i * self.world_size + self.rank) * self.batch_size
+            index = self.permutation(epoch)[start : start + self.batch_size]
+            batch = {**{name: value[index] for name, value in self.updates.fields.items()}, "index": index}
         if self.features is not None:
             batch["features"] = self.features(index, step_generator(CACHED_NOISE, self.seed, self.rank, step))
         return batch

@@ -8,6 +8,7 @@ same objects for all of them. No Lightning.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import math
 from collections.abc import Sequence
@@ -80,6 +81,14 @@ class UpdatePipeline(nn.Module):
     @property
     def observed_dim(self) -> int:
         return self.spec.input_dim
+
+    def with_client(self, client: ClientProtocol) -> "UpdatePipeline":
+        """This pipeline (same global model, observed parameters, hash spec and defense) with another
+        client protocol computing the updates: e.g. `client.single_sample()`. The client must observe the
+        same parameters of the same, already prepared, model (not re-prepared: LoRA's adapters stay)."""
+        other = copy.copy(self)  # shares the target, hasher and buffers
+        other.client = client
+        return other
 
     def split(self, update: Tensor) -> dict[str, Tensor]:
         """(U, D) flat updates -> {parameter name: (U, *shape)}, for attacks that need the layers."""

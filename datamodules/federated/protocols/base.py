@@ -81,6 +81,9 @@ class ClientProtocol(CLIENT_PROTOCOLS.base(), ABC, SingleStep):
     name: ClassVar[str]
     mode: str
     samples_per_update: int
+    #: The update of m samples is the mean of the m one-sample updates at the global weights (FedSGD):
+    #: so the one-sample updates of a fixed pool can be averaged into fresh groupings (hashing is linear).
+    update_is_sample_mean: ClassVar[bool] = False
 
     @classmethod
     def create(cls, name: str, **kwargs) -> "ClientProtocol":
@@ -100,6 +103,12 @@ class ClientProtocol(CLIENT_PROTOCOLS.base(), ABC, SingleStep):
         if per_update != self.samples_per_update:
             raise ValueError(f"batch has {per_update} samples per update, client expects {self.samples_per_update}")
         return updates, per_update
+
+    def single_sample(self) -> "ClientProtocol":
+        """This client with one sample per update: the updates that fresh groupings average (only for a
+        client whose update is the mean of its samples' own updates)."""
+        raise ValueError(f"{type(self).__name__}'s update is not the mean of its samples' own updates: "
+                         "its updates of several samples cannot be averaged from one-sample updates")
 
     @abstractmethod
     def observe(self, batch: ClientBatch, observation: Observation) -> Tensor:

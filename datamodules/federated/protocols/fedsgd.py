@@ -21,6 +21,7 @@ class FedSGDClient(ClientProtocol):
     """
 
     name = "fedsgd"
+    update_is_sample_mean = True
 
     def __init__(
         self,
@@ -41,6 +42,9 @@ class FedSGDClient(ClientProtocol):
         self.mode = mode
         self.samples_per_update = samples_per_update
         self.implementation = implementation
+
+    def single_sample(self) -> "FedSGDClient":
+        return FedSGDClient(self.mode, 1, self.implementation)
 
     def per_example_gradients(self, batch: ClientBatch, observation: Observation) -> Tensor:
         """(U, m, D) per-sample gradients at the global weights."""

@@ -7,6 +7,7 @@ parameters (and the hash spec that checkpoints record) are the `lora_A` / `lora_
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 
@@ -81,6 +82,16 @@ class LoRAClient(ClientProtocol):
     @property
     def samples_per_update(self) -> int:  # type: ignore[override]
         return self.local.samples_per_update
+
+    @property
+    def update_is_sample_mean(self) -> bool:  # type: ignore[override]
+        return self.local.update_is_sample_mean
+
+    def single_sample(self) -> "LoRAClient":
+        # A shallow copy shares the adapters' settings; only the local computation takes one sample.
+        single = copy.copy(self)
+        single.local = self.local.single_sample()
+        return single
 
     def privacy_steps(self) -> tuple[int, float]:
         return self.local.privacy_steps()
