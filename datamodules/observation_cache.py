@@ -45,6 +45,12 @@ class CacheOptions:
     path: str | None = None  # the cache folder; None: observations are computed on the fly
     rebuild: bool = False  # rebuild a cache built for other observations (else it is refused, naming the difference)
 
+    def __post_init__(self) -> None:
+        # On the command line, `--data.cache.path null` over a config that sets a path reaches this
+        # nested group as the string 'None' (jsonargparse), which would name a cache folder "None".
+        if self.path in ("None", "null"):
+            object.__setattr__(self, "path", None)
+
 
 def _digest(*tensors: Tensor) -> str:
     digest = hashlib.sha256()

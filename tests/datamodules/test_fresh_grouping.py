@@ -143,3 +143,18 @@ def test_fixed_grouping_is_unchanged_and_fresh_is_recorded(corpus_files):
     assert fixed._training_updates() is fixed._splits["auxiliary"]
     with pytest.raises(ValueError, match="grouping 'random' is not allowed"):
         _datamodule(corpus_files, grouping="random")
+
+
+def test_a_null_cache_path_on_the_command_line_turns_the_cache_off(capsys):
+    """A config that sets data.cache.path, overridden with null: computed on the fly, no folder "None"."""
+    from pathlib import Path
+
+    import yaml
+
+    from lti.trainer_cli import run
+
+    config = Path(__file__).resolve().parents[2] / "configs" / "reproduction" / "lti.yaml"
+    with pytest.raises(SystemExit):
+        run(["fit", "--config", str(config), "--data.cache.path", "null", "--print_config"])
+    cache = yaml.safe_load(capsys.readouterr().out)["data"]["init_args"]["cache"]
+    assert CacheOptions(**cache).path is None
