@@ -1,6 +1,6 @@
 """A cache folder that proves what it holds and that one process at a time builds.
 
-Checksums: every file of a finished folder is cut into chunks of `CHUNK_BYTES`, and the blake2b digest
+Checksums: every file of a finished folder is cut into chunks of `CHUNK_BYTES`, and the SHA-256 digest
 of each chunk is recorded when the build ends (`checksums`). Opening checks them (`first_mismatch`):
 `full` reads every chunk; `sampled` checks every file's size (a truncated file) and the first, last
 and a few random chunks, so a cache of many gigabytes opens in a fraction of a second and damage is
@@ -31,11 +31,11 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-#: Bytes per checksummed chunk: the unit a sampled check reads (see `benchmarks/cache_checksums.py`).
+#: Bytes per checksummed chunk: the unit a sampled check reads (costs: benchmarks/results/cache_checksums_cpu.md).
 CHUNK_BYTES = 16 << 20
 #: Random chunks a sampled check reads per file, besides the first and the last.
 SAMPLED_CHUNKS = 4
-ALGORITHM = "blake2b-128"
+ALGORITHM = "sha256-128"  # SHA-256 cut to 128 bits; twice blake2b's speed on CPUs with SHA extensions
 PF_EXITING = 0x4  # Linux's flag of a process in exit (/proc/<pid>/stat, field 9)
 
 
@@ -58,7 +58,7 @@ def _digests(path: Path, chunk_bytes: int, indices: Iterable[int]) -> list[str]:
                 if not part:
                     break
                 data += part
-            return hashlib.blake2b(data, digest_size=16).hexdigest()
+            return hashlib.sha256(data).hexdigest()[:32]
 
         with ThreadPoolExecutor(_threads()) as pool:
             return list(pool.map(digest, indices))
