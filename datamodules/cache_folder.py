@@ -77,8 +77,8 @@ def checksums(folder: Path, names: Iterable[str], chunk_bytes: int | None = None
 
 
 def first_mismatch(folder: Path, recorded: dict, mode: str) -> str | None:
-    """How the first file of `folder` that differs from its recorded checksums differs ("'path' is
-    missing", "... has N bytes ...", "... does not match ..."), or None; `mode`: full, sampled or none."""
+    """How the first file of `folder` that differs from its recorded checksums differs ("file 'path' is
+    missing", "file ... has N bytes ...", "file ... does not match ..."), or None; `mode`: full, sampled or none."""
     if mode not in ("full", "sampled", "none"):
         raise ValueError(f"checksum verification {mode!r} must be full, sampled or none")
     if mode == "none":
@@ -89,10 +89,10 @@ def first_mismatch(folder: Path, recorded: dict, mode: str) -> str | None:
     for name, expected in files.items():  # sizes first: a truncated file is found in every mode, at no cost
         path = folder / name
         if not path.is_file():
-            return f"{str(path)!r} is missing"
+            return f"file {str(path)!r} is missing"
         size = path.stat().st_size
         if size != expected["bytes"]:
-            return f"{str(path)!r} has {size} bytes, {expected['bytes']} when it was built (truncated or replaced)"
+            return f"file {str(path)!r} has {size} bytes, {expected['bytes']} when it was built (truncated or replaced)"
     draw = random.Random()  # its own generator, seeded from the system: the global random state is left alone
     for name, expected in files.items():
         count = len(expected["chunks"])
@@ -104,7 +104,7 @@ def first_mismatch(folder: Path, recorded: dict, mode: str) -> str | None:
             if digest != expected["chunks"][index]:
                 start = index * chunk_bytes
                 end = min(start + chunk_bytes, expected["bytes"])
-                return (f"{str(folder / name)!r} does not match its checksum (bytes {start}-{end} of {expected['bytes']}): "
+                return (f"file {str(folder / name)!r} does not match its checksum (bytes {start}-{end} of {expected['bytes']}): "
                         "changed or damaged after the build")
     return None
 

@@ -194,7 +194,7 @@ class ObservationCache:
         else:
             mismatch = first_mismatch(self.path, saved["checksums"], verify)
             if mismatch is not None:
-                return f"observation cache file {mismatch}; {REBUILD}"
+                return f"observation cache {mismatch}; {REBUILD}"
         try:
             self._load()
         except ValueError as error:
