@@ -118,7 +118,9 @@ class InversionDataModule(LightningDataModule):
                 updates are computed once, stored as float16 and read from disk every epoch (a
                 deterministic client on a fixed training split; a deterministic defense, optionally
                 followed by Gaussian noise; datamodules/observation_cache.py), None: computed on the
-                fly; `rebuild: true` rebuilds a cache built for other observations (else refused).
+                fly; `rebuild: true` rebuilds a cache built for other observations or damaged (else
+                refused); `verify`: how its checksums are checked on every open (`sampled`: file
+                sizes and a few chunks, `full`: every byte, `none`).
             batch_size: Client updates per batch.
             train_samples: Use at most this many auxiliary samples (None: all).
             eval_samples: Evaluate on the first this many held-out samples, grouped into updates of m
@@ -275,7 +277,8 @@ class InversionDataModule(LightningDataModule):
             try:
                 self._cache = ObservationCache(self.observation.cache.path, self._cache_pipeline(), self._training_updates(),
                                                self.batch_size, rebuild=self.observation.cache.rebuild and builder,
-                                               client_batch=self.client_batch, build=builder)
+                                               client_batch=self.client_batch, build=builder,
+                                               verify=self.observation.cache.verify)
             finally:
                 if distributed and builder:  # release the other ranks even when the build failed
                     self.trainer.strategy.barrier("observation cache")

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
+import zipfile
+import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -23,6 +26,8 @@ import mmh3
 import numpy as np
 import torch
 from torch import Tensor, nn
+
+log = logging.getLogger(__name__)
 
 _C1, _C2 = np.uint32(0xCC9E2D51), np.uint32(0x1B873593)
 
@@ -144,18 +149,30 @@ def compute_buckets(spec: HashSpec) -> tuple[np.ndarray, np.ndarray | None]:
     return np.concatenate(bins).astype(np.int64), (np.concatenate(signs) if spec.signed else None)
 
 
+def _load_buckets(path: Path, spec: HashSpec) -> tuple[np.ndarray, np.ndarray | None]:
+    """The bins and signs saved at `path`; ValueError (one line) when they are unreadable or not `spec`'s."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            bins = data["bins"]
+            signs = data["signs"] if spec.signed else None
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, zlib.error) as error:
+        raise ValueError(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") from None
+    if bins.shape != (spec.input_dim,) or (spec.input_dim and not 0 <= bins.min() <= bins.max() < spec.num_bins):
+        raise ValueError(f"bins of shape {bins.shape} outside [0, {spec.num_bins})")
+    if signs is not None and (signs.shape != bins.shape or not (np.abs(signs) == 1).all()):
+        raise ValueError("signs are not +-1 per coordinate")
+    return bins, signs
+
+
 def load_or_compute_buckets(spec: HashSpec) -> tuple[np.ndarray, np.ndarray | None]:
-    """`compute_buckets`, cached on disk under $LTI_CACHE_DIR/hash/<fingerprint>.npz."""
+    """`compute_buckets`, cached on disk under $LTI_CACHE_DIR/hash/<fingerprint>.npz; an entry that
+    fails to load (damaged, truncated, of another spec) is recomputed and replaced, saying so in one line."""
     path = cache_dir() / "hash" / f"{spec.fingerprint()}.npz"
     if path.exists():
         try:
-            with np.load(path, allow_pickle=False) as data:
-                bins = data["bins"]
-                signs = data["signs"] if spec.signed else None
-            if bins.shape[0] == spec.input_dim:
-                return bins, signs
-        except (OSError, ValueError, KeyError):
-            pass  # a damaged cache entry is recomputed below
+            return _load_buckets(path, spec)
+        except ValueError as error:
+            log.warning(f"hash-bin cache {str(path)!r} is damaged ({error}); recomputing it")
     bins, signs = compute_buckets(spec)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp.npz")

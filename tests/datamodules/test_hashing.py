@@ -65,6 +65,45 @@ def test_buckets_are_cached_on_disk_and_reused():
     np.testing.assert_array_equal(load_or_compute_buckets(spec)[0], first)
 
 
+def _flip_middle_bytes(path):
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 8] = bytes(b ^ 0xFF for b in data[middle : middle + 8])
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _other_spec_bins(path):
+    np.savez(path, bins=np.full(46, 10_000, dtype=np.int32), signs=np.zeros(46, dtype=np.int8))
+
+
+@pytest.mark.parametrize("damage", [_flip_middle_bytes, _truncate, _other_spec_bins], ids=["flipped", "truncated", "foreign"])
+@pytest.mark.parametrize("signed", [False, True])
+def test_a_damaged_bin_cache_is_recomputed_and_replaced_saying_so_in_one_line(damage, signed, caplog):
+    """Before: flipped bytes in the .npz ended the run with an 8-line "Bad CRC-32" dump naming no file."""
+    spec = _spec(signed=signed, bins=17, seed=5)
+    path = cache_dir() / "hash" / f"{spec.fingerprint()}.npz"
+    path.unlink(missing_ok=True)
+    expected = compute_buckets(spec)
+    load_or_compute_buckets(spec)
+    damage(path)
+    with caplog.at_level("WARNING", logger="datamodules.federated.hashing"):
+        bins, signs = load_or_compute_buckets(spec)
+    np.testing.assert_array_equal(bins, expected[0])
+    if signed:
+        np.testing.assert_array_equal(signs, expected[1])
+    (record,) = caplog.records
+    assert record.getMessage().startswith(f"hash-bin cache {str(path)!r} is damaged (")
+    assert record.getMessage().endswith("recomputing it") and "\n" not in record.getMessage()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="datamodules.federated.hashing"):  # the entry was replaced
+        np.testing.assert_array_equal(load_or_compute_buckets(spec)[0], expected[0])
+    assert not caplog.records
+
+
 def test_spec_round_trip_and_difference_messages():
     spec = _spec()
     assert HashSpec.from_dict(spec.to_dict()) == spec
