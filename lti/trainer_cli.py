@@ -83,6 +83,18 @@ def keep_wandb_files_in_run_folder(loggers) -> None:
             return
 
 
+def check_trainer_values(trainer: Trainer) -> None:
+    """Values Lightning accepts but then divides by (a ZeroDivisionError mid-run)."""
+    interval = trainer.val_check_interval
+    if isinstance(interval, int) and interval < 1:
+        raise ValueError(f"bad value for 'trainer.val_check_interval': {interval}; give a number of steps >= 1 "
+                         "or a fraction of an epoch in (0.0, 1.0]")
+    every = trainer.check_val_every_n_epoch
+    if every is not None and every < 1:
+        raise ValueError(f"bad value for 'trainer.check_val_every_n_epoch': {every}; give a number of epochs >= 1, "
+                         "or null to validate by steps only (trainer.val_check_interval)")
+
+
 class RunFailed(RuntimeError):
     """A run stopped by its machine (a full disk, a failed save), not by its arguments: exit code 1."""
 
@@ -149,6 +161,7 @@ class LTICLI(LightningCLI):
         quiet_wandb(trainer.loggers)
         keep_wandb_files_in_run_folder(trainer.loggers)
         use_atomic_checkpoints(trainer)
+        check_trainer_values(trainer)
         return trainer
 
     def _checkpoint_folder(self) -> Path | None:
@@ -438,12 +451,15 @@ def user_message(error: BaseException) -> str:
 
 
 def trainer_value_message(message: str) -> str:
-    """Lightning's report of a bad Trainer value ("`max_steps` must be ...") names the option as `lti` does."""
+    """Lightning's report of a bad Trainer value ("`max_steps` must be ...", "invalid value -2 for
+    val_check_interval") names the option as `lti` does: 'trainer.max_steps'."""
     message = " ".join(message.split())
+    parameters = inspect.signature(Trainer.__init__).parameters
     match = re.match(r"`(\w+)`\s*(.*)", message)
-    if match and match.group(1) in inspect.signature(Trainer.__init__).parameters:
+    if match and match.group(1) in parameters:
         return f"bad value for 'trainer.{match.group(1)}': {match.group(2)}"
-    return message
+    named = [(m.start(), m.group(0)) for m in re.finditer(r"\w+", message) if m.group(0) in parameters and m.group(0) != "self"]
+    return f"bad value for 'trainer.{min(named)[1]}': {message}" if named else message
 
 
 def run(args: list[str] | None = None) -> None:
