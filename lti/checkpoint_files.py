@@ -56,7 +56,10 @@ def check_checkpoint(path: str | os.PathLike) -> None:
     zip archive; a file in torch's older, non-zip format is left to the loader."""
     path = Path(path)
     if path.is_symlink() and not path.exists():
-        raise FileNotFoundError(f"checkpoint {path} links to {os.readlink(path)}, which does not exist")
+        # (a run killed between removing its previous checkpoint and moving `last.ckpt` to the new one)
+        others = sorted(p.name for p in path.parent.glob("*.ckpt") if p.exists() and not p.is_symlink())
+        hint = f"; the folder holds {', '.join(others)}" if others else ""
+        raise FileNotFoundError(f"checkpoint {path} links to {os.readlink(path)}, which does not exist{hint}")
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     if path.is_dir():

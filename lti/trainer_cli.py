@@ -30,7 +30,7 @@ import lti.inverters  # noqa: F401,E402
 from exact.callbacks import ExactAttackCallback
 from lti.atomic_files import WriteFailed
 from lti.checkpoint_files import LOAD_ERRORS, check_checkpoint, damaged, load_checked, save_checkpoint
-from lti.checkpoint_folder import FolderClaim, checkpoint_files, claim
+from lti.checkpoint_folder import RESUME_KEYWORDS, FolderClaim, checkpoint_files, claim
 from lti.console import describe_checkpoints, quiet_known_noise, quiet_wandb, use_step_progress_bar
 from lti.curves import LearningCurve
 from lti.exact_only import ExactAttacksOnly
@@ -146,8 +146,8 @@ class LTICLI(LightningCLI):
         # is refused in one line already.
         subcommand = self.config.get("subcommand")
         path = self.config[subcommand].get("ckpt_path") if subcommand else None
-        if not path or not Path(path).is_file():
-            return super()._parse_ckpt_path()  # none, or a keyword ("last"), or missing: the trainer's load says so
+        if not path or path in RESUME_KEYWORDS:
+            return super()._parse_ckpt_path()  # none, or a keyword Lightning resolves ("last")
         check_checkpoint(path)
         try:
             super()._parse_ckpt_path()

@@ -285,6 +285,13 @@ def test_a_dangling_last_ckpt_says_what_it_links_to(good_checkpoint, tmp_path, c
     assert exit_info.value.code == 2
     assert _lti_lines(capsys.readouterr().err) == [
         f"lti: error: checkpoint {tmp_path / 'last.ckpt'} links to step9.ckpt, which does not exist"]
+    # A run killed between removing its previous checkpoint and moving the link: the new one is named.
+    shutil.copy(good_checkpoint[1], tmp_path / "step10.ckpt")
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(config), "--ckpt_path", str(tmp_path / "last.ckpt"), "--checkpoint.dirpath", str(tmp_path)])
+    assert _lti_lines(capsys.readouterr().err) == [
+        f"lti: error: checkpoint {tmp_path / 'last.ckpt'} links to step9.ckpt, which does not exist; "
+        "the folder holds step10.ckpt"]
 
 
 def test_bytes_flipped_in_a_weight_load_silently_without_the_check(good_checkpoint, tmp_path):
