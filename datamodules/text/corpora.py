@@ -150,6 +150,7 @@ class LocalCorpus(TextCorpus):
             if _caused_by(error, UnicodeDecodeError) and (problem := _first_undecodable(files)):
                 raise problem from None
             raise
+        if self.format != "text":
             if self.text_column not in ds.column_names:
                 raise ValueError(f"TSV files have no column {self.text_column!r}; columns: {ds.column_names}")
             if self.text_column != "text":

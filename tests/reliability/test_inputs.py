@@ -106,3 +106,16 @@ def test_registry_names_get_a_did_you_mean():
     with pytest.raises(ValueError) as error:
         DEFENSES.get("sing")
     assert str(error.value) == f"unknown defense 'sing'; allowed: {', '.join(DEFENSES.names())}; did you mean 'sign'?"
+
+
+def test_a_tsv_corpus_file_that_is_not_utf8_too(tmp_path):
+    from datamodules.text.corpora import LocalCorpus
+
+    tsv = tmp_path / "bad.tsv"
+    tsv.write_bytes("id\tsentence\n1\tcaf\u00e9 here\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=rf"corpus file '{tsv}' is not UTF-8: byte 0xe9 at offset 17 \(line 2\)"):
+        LocalCorpus([str(tsv)], [str(tsv)], format="tsv", text_column="sentence").load()
+    good = tmp_path / "good.tsv"
+    good.write_text("id\tsentence\n1\tfine here\n")
+    with pytest.raises(ValueError, match="no column 'text'"):  # the checks after loading still run
+        LocalCorpus([str(good)], [str(good)], format="tsv").load()
