@@ -6,6 +6,7 @@ adds short names (`Defense.create("sign")`) and, above all, lets error messages 
 
 from __future__ import annotations
 
+import difflib
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -28,7 +29,9 @@ class Registry(Generic[T]):
         try:
             return self._classes[name]
         except KeyError:
-            raise ValueError(f"unknown {self.kind} {name!r}; allowed: {', '.join(self.names())}") from None
+            close = difflib.get_close_matches(str(name), self.names(), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"unknown {self.kind} {name!r}; allowed: {', '.join(self.names())}{hint}") from None
 
     def create(self, name: str, **kwargs) -> T:
         return self.get(name)(**kwargs)

@@ -6,21 +6,35 @@ runs a grid of them (`lti.matrix`). This module sits on top: it imports both, an
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Callable
 
+#: Exit codes: bad arguments or input files (the command cannot run as given), and a run stopped by its
+#: machine (a full disk, a failed save; the command may succeed when run again).
+EXIT_BAD_INPUT, EXIT_RUN_FAILED = 2, 1
+
 
 def _trainer(argv: list[str]) -> None:
-    from lti.trainer_cli import USER_ERRORS, run, user_message
+    from lti.trainer_cli import USER_ERRORS, RunFailed, failure_message, run, user_message
 
     if os.environ.get("LTI_DEBUG"):  # LTI_DEBUG=1: the traceback instead of one line
         return run(argv)
+    # A full disk also fails the log handlers of the libraries (W&B's debug log): each failure would print
+    # a "--- Logging error ---" traceback; the one line below says what happened.
+    logging.raiseExceptions = False
     try:
         run(argv)
     except USER_ERRORS as error:
         print(f"lti: error: {user_message(error)}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(EXIT_BAD_INPUT) from None
+    except RunFailed as error:
+        print(f"lti: error: {error}", file=sys.stderr)
+        raise SystemExit(EXIT_RUN_FAILED) from None
+    except OSError as error:  # before or after the run itself (setting up, saving its config)
+        print(f"lti: error: {failure_message(error, None)}", file=sys.stderr)
+        raise SystemExit(EXIT_RUN_FAILED) from None
 
 
 def _matrix(argv: list[str]) -> None:

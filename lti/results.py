@@ -4,12 +4,13 @@ and a W&B table; `predictions.jsonl` for `lti predict`. Files go to `trainer.def
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import WandbLogger
+
+from lti.atomic_files import write_text_atomically
 
 
 def _gather(records: list) -> list:
@@ -18,13 +19,6 @@ def _gather(records: list) -> list:
         torch.distributed.all_gather_object(parts, records)
         return [r for part in parts for r in part]
     return list(records)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def format_metrics(metrics: dict[str, float]) -> str:
@@ -92,22 +86,14 @@ class ResultsWriter(Callback):
             return
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(f"{stage}/")}
         root = Path(trainer.default_root_dir)
-        setting = trainer.datamodule.describe() if hasattr(trainer.datamodule, "describe") else {}
-        mismatch = trained_elsewhere(getattr(pl_module, "trained_under", None), setting)
-        if mismatch:
-            setting["trained_under"] = mismatch
-            if not self._said_mismatch:
-                # A non-adaptive attacker is a real experiment: allowed, but said once and recorded.
-                print(f"lti: note: the inverter was trained under {describe_mismatch(mismatch)}; "
-                      f"it is evaluated under this run's {', '.join(mismatch)}")
-                self._said_mismatch = True
+        setting = self._setting(trainer, pl_module)
         payload = {"stage": stage, "metrics": metrics, "num_updates": len(samples), "setting": setting,
                    "global_step": trainer.global_step}
         notes = ([UNTRAINED_NOTE] if self.untrained_inverter else []) + list(getattr(pl_module, "run_notes", None) or [])
         if notes:
             payload["notes"] = notes
-        _write_atomic(root / f"{stage}_metrics.json", json.dumps(payload, indent=2) + "\n")
-        _write_atomic(root / f"{stage}_samples.jsonl", "".join(json.dumps(r) + "\n" for r in samples))
+        write_text_atomically(root / f"{stage}_metrics.json", json.dumps(payload, indent=2) + "\n")
+        write_text_atomically(root / f"{stage}_samples.jsonl", "".join(json.dumps(r) + "\n" for r in samples))
         wanted = ("index", "reference", "lti", "dager", "lti_token_acc", "lti_rouge1",  # text
                   "labels", "lti_mse", "lti_psnr", "lti_ssim", "lti_discrete_acc", "spear_psnr", "spear_mse")  # images/tables
         columns = [c for c in wanted if any(c in r for r in samples)]
@@ -126,6 +112,19 @@ class ResultsWriter(Callback):
             if shown:
                 print(shown)
 
+    def _setting(self, trainer: Trainer, pl_module: LightningModule) -> dict:
+        """The run's threat model, with `trained_under` where the loaded checkpoint was trained under another."""
+        setting = trainer.datamodule.describe() if hasattr(trainer.datamodule, "describe") else {}
+        mismatch = trained_elsewhere(getattr(pl_module, "trained_under", None), setting)
+        if mismatch:
+            setting["trained_under"] = mismatch
+            if not self._said_mismatch:
+                # A non-adaptive attacker is a real experiment: allowed, but said once and recorded.
+                print(f"lti: note: the inverter was trained under {describe_mismatch(mismatch)}; "
+                      f"it is evaluated under this run's {', '.join(mismatch)}")
+                self._said_mismatch = True
+        return setting
+
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.sanity_checking:
             self._write(trainer, pl_module, "val")
@@ -142,7 +141,8 @@ class ResultsWriter(Callback):
     def on_predict_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         records = sorted(_gather(self._predictions), key=lambda r: r["index"])
         if trainer.global_rank == 0:
+            self._setting(trainer, pl_module)  # predictions have no metadata: a transfer is said, at least
             path = Path(trainer.default_root_dir) / "predictions.jsonl"
-            _write_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
+            write_text_atomically(path, "".join(json.dumps(r) + "\n" for r in records))
             if self.print_table:
                 print(f"\n{len(records)} reconstructions -> {path}")

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import errno
 import importlib
 import inspect
+import os
 import re
 import warnings
+from pathlib import Path
 
 from jsonargparse import ArgumentError
-from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loggers import WandbLogger
 
 # Make the registered classes importable by short name in configs (`class_path: Sign`).
 import datamodules.federated  # noqa: F401,E402
@@ -21,6 +28,9 @@ import datamodules.text  # noqa: F401,E402
 import datamodules.vision  # noqa: F401,E402
 import lti.inverters  # noqa: F401,E402
 from exact.callbacks import ExactAttackCallback
+from lti.atomic_files import WriteFailed
+from lti.checkpoint_files import LOAD_ERRORS, check_checkpoint, damaged, load_checked, save_checkpoint
+from lti.checkpoint_folder import RESUME_KEYWORDS, FolderClaim, checkpoint_files, claim
 from lti.console import describe_checkpoints, quiet_known_noise, quiet_wandb, use_step_progress_bar
 from lti.curves import LearningCurve
 from lti.exact_only import ExactAttacksOnly
@@ -35,6 +45,88 @@ DEFAULT_MODEL = "lti.module.InversionModule"
 DEFAULT_DATA = "datamodules.text_inversion.TextInversionDataModule"
 
 
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint IO, but a checkpoint is written beside its final name and renamed over it
+    (`lti.checkpoint_files`): Lightning's own writes a temporary file in `$TMPDIR` and moves it, a copy
+    when `$TMPDIR` is on another file system, which a kill or a full disk cuts short under the final
+    name. Loading refuses a damaged file in one line."""
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+        if storage_options is not None:
+            return super().save_checkpoint(checkpoint, path, storage_options)  # raises Lightning's TypeError
+        save_checkpoint(checkpoint, path)
+
+    def load_checkpoint(self, path, map_location=lambda storage, loc: storage, weights_only=None):
+        return load_checked(path, lambda: super(AtomicCheckpointIO, self).load_checkpoint(path, map_location, weights_only))
+
+
+def use_atomic_checkpoints(trainer: Trainer) -> None:
+    """Installs `AtomicCheckpointIO`, unless the config chose a checkpoint IO of its own."""
+    if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
+        trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+
+
+#: W&B's folders for artifact staging copies (each logged table: client text) and its artifact cache.
+WANDB_FOLDERS = {"WANDB_DATA_DIR": "", "WANDB_CACHE_DIR": "cache"}
+
+
+def keep_wandb_files_in_run_folder(loggers) -> None:
+    """W&B stages a copy of every logged table (the evaluated clients' text) for upload, by default in
+    `~/.local/share/wandb/artifacts/staging`, where it stays (an offline run needs it for a later
+    `wandb sync`). Pointed into the logger's `<save_dir>/wandb/`, the copies stay with the run they
+    belong to. A folder the user set in the environment is kept."""
+    for logger in loggers:
+        if isinstance(logger, WandbLogger):
+            folder = Path(logger.save_dir or ".").absolute() / "wandb"
+            for variable, sub in WANDB_FOLDERS.items():
+                os.environ.setdefault(variable, str(folder / sub) if sub else str(folder))
+            return
+
+
+def check_trainer_values(trainer: Trainer) -> None:
+    """Values Lightning accepts but then divides by (a ZeroDivisionError mid-run)."""
+    interval = trainer.val_check_interval
+    if isinstance(interval, int) and interval < 1:
+        raise ValueError(f"bad value for 'trainer.val_check_interval': {interval}; give a number of steps >= 1 "
+                         "or a fraction of an epoch in (0.0, 1.0]")
+    every = trainer.check_val_every_n_epoch
+    if every is not None and every < 1:
+        raise ValueError(f"bad value for 'trainer.check_val_every_n_epoch': {every}; give a number of epochs >= 1, "
+                         "or null to validate by steps only (trainer.val_check_interval)")
+
+
+class RunFailed(RuntimeError):
+    """A run stopped by its machine (a full disk, a failed save), not by its arguments: exit code 1."""
+
+
+def last_good_checkpoint(folder: Path) -> str | None:
+    last = folder / "last.ckpt"
+    if last.exists():
+        return f"{last} -> {os.readlink(last)}" if last.is_symlink() else str(last)
+    files = [f for f in checkpoint_files(folder) if f.exists()]
+    return str(max(files, key=lambda f: f.stat().st_mtime)) if files else None
+
+
+def failure_message(error: OSError, folder: Path | None = None, root: str | None = None) -> str:
+    """One line for an operating-system error that stopped a run: what could not be written (or where the
+    run writes, when the error does not say), and the checkpoint the run can be resumed from."""
+    if isinstance(error, WriteFailed):
+        text = str(error)
+    elif error.filename:
+        text = f"could not write {error.filename}: {error.strerror}"
+    else:
+        text = error.strerror or str(error)
+        places = [str(p) for p in (root, folder) if p is not None]
+        if places:
+            text += f" (this run writes to {' and '.join(dict.fromkeys(places))})"
+    if error.errno == errno.ENOSPC:
+        text = f"disk full: {text}"
+    if folder is not None:
+        kept = last_good_checkpoint(folder)
+        text += f"; the last good checkpoint is {kept}" if kept else "; no checkpoint was saved"
+    return text
+
+
 class LTICLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         if self.subclass_mode_model and self.subclass_mode_data:
@@ -45,13 +137,60 @@ class LTICLI(LightningCLI):
                              "checkpoint.filename": "step{step}", "checkpoint.auto_insert_metric_name": False})
         parser.add_lightning_class_args(ResultsWriter, "results")
         parser.add_lightning_class_args(LearningCurve, "curve")
+        parser.add_argument("--overwrite_checkpoints", type=bool, default=False,
+                            help="lti fit: replace the checkpoints an earlier run left in checkpoint.dirpath "
+                                 "(without it such a folder is refused)")
+
+    def _parse_ckpt_path(self) -> None:
+        # Lightning reads the checkpoint's hyperparameters here, before the trainer exists: a damaged file
+        # is refused in one line already.
+        subcommand = self.config.get("subcommand")
+        path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if not path or path in RESUME_KEYWORDS:
+            return super()._parse_ckpt_path()  # none, or a keyword Lightning resolves ("last")
+        check_checkpoint(path)
+        try:
+            super()._parse_ckpt_path()
+        except LOAD_ERRORS as error:
+            raise damaged(path, error) from None
 
     def instantiate_trainer(self, **kwargs):
         trainer = super().instantiate_trainer(**kwargs)
         configured = self._get(self.config_init, "trainer", default={}).get("callbacks") or []
         use_step_progress_bar(trainer, configured if isinstance(configured, list) else [configured])
         quiet_wandb(trainer.loggers)
+        keep_wandb_files_in_run_folder(trainer.loggers)
+        use_atomic_checkpoints(trainer)
+        check_trainer_values(trainer)
         return trainer
+
+    def _checkpoint_folder(self) -> Path | None:
+        checkpoint = self.trainer.checkpoint_callback
+        return Path(checkpoint.dirpath) if checkpoint is not None and checkpoint.dirpath else None
+
+    def _claim_checkpoint_folder(self) -> FolderClaim | None:
+        """Before a fit: the checkpoint folder is this run's alone (`lti.checkpoint_folder`)."""
+        folder = self._checkpoint_folder()
+        if folder is None or not self.trainer.is_global_zero:
+            return None
+        config = self.config_init["fit"]
+        claimed = claim(folder, config.get("ckpt_path"), bool(config.get("overwrite_checkpoints")))
+        for note in claimed.notes:
+            self._say(note)
+        return claimed
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        claimed = self._claim_checkpoint_folder() if subcommand == "fit" else None
+        try:
+            super()._run_subcommand(subcommand)
+        except OSError as error:
+            if isinstance(error, USER_ERRORS):  # a missing file the user named
+                raise
+            folder = self._checkpoint_folder() if subcommand == "fit" else None
+            raise RunFailed(failure_message(error, folder, self.trainer.default_root_dir)) from error
+        finally:
+            if claimed is not None:
+                claimed.release()
 
     def _say(self, line: str) -> None:
         if self.trainer.is_global_zero:
@@ -110,11 +249,13 @@ def trainer_defaults() -> dict:
 # Bad input surfaces as one of these; the CLI prints one line instead of a traceback
 # (set LTI_DEBUG=1 to see the traceback). Parse errors (typos, bad values) are jsonargparse's
 # ArgumentError: the parser raises it instead of printing its whole usage (exit_on_error=False).
-USER_ERRORS = (ValueError, FileNotFoundError, ModuleNotFoundError, FloatingPointError, ArgumentError)
+# Invalid trainer values (`--trainer.max_steps -5`) are Lightning's MisconfigurationException.
+USER_ERRORS = (ValueError, FileNotFoundError, ModuleNotFoundError, FloatingPointError, ArgumentError,
+               MisconfigurationException)
 
 #: The top-level options of `lti fit|validate|test|predict`, for "did you mean" on a top-level typo.
 TOP_LEVEL = ("seed_everything", "trainer", "model", "data", "optimizer", "lr_scheduler", "ckpt_path", "weights_only",
-             "checkpoint", "results", "curve", "config", "print_config")
+             "checkpoint", "results", "curve", "config", "print_config", "overwrite_checkpoints")
 
 
 def _accepted_options(class_path: str | None) -> list[str]:
@@ -156,6 +297,96 @@ def _group_options(class_path: str | None, group: list[str]) -> list[str]:
     return []
 
 
+#: Top-level option groups whose init arguments may name classes: group -> its class.
+GROUP_CLASSES = {"trainer": "lightning.pytorch.Trainer", "checkpoint": "lightning.pytorch.callbacks.ModelCheckpoint",
+                 "curve": "lti.curves.LearningCurve", "results": "lti.results.ResultsWriter"}
+#: Top-level options that are a class themselves (subclass mode).
+TOP_LEVEL_BASES = {"data": LightningDataModule, "model": LightningModule}
+TOP_LEVEL_MODULES = ("lti.module", "lti.vision_module", "datamodules.text_inversion", "datamodules.vision_inversion")
+#: The project's packages: their classes are the ones listed when an unknown name could be one of them.
+PROJECT_PACKAGES = ("datamodules", "exact", "lti")
+
+
+def _unknown_class(line: str, class_path: str | None) -> str | None:
+    """The class name jsonargparse could not resolve, when `line` of its report says so."""
+    for pattern in (r"Expected a dot import path string: (\S+)", r"Expected a path but (\S+) either not accessible or invalid"):
+        if match := re.fullmatch(pattern, line):
+            return match.group(1)
+    if (match := re.fullmatch(r"module '([\w.]+)' has no attribute '(\w+)'", line)) and class_path == ".".join(match.groups()):
+        return class_path
+    if (match := re.fullmatch(r"No module named '([\w.]+)'", line)) and class_path and class_path.startswith(match.group(1)):
+        return class_path
+    return None
+
+
+def _import_class(class_path: str) -> type | None:
+    module, _, name = class_path.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
+    return found if inspect.isclass(found) else None
+
+
+def _classes_in(hint) -> list[type]:
+    """The classes a type hint allows (`Optional[Defense]` -> Defense, `Logger | Iterable[Logger] | bool` -> Logger)."""
+    import typing
+
+    if inspect.isclass(hint) and not typing.get_args(hint):
+        return [] if hint.__module__ in ("builtins", "typing", "collections.abc", "pathlib") else [hint]
+    return [c for arg in typing.get_args(hint) for c in _classes_in(arg)]
+
+
+def _expected_bases(owner: str | None, keys: list[str]) -> list[type]:
+    """The base classes the option `keys` takes a subclass of."""
+    *group, param = ".".join(keys).split(".")
+    if owner is None:
+        if not group:
+            for module in TOP_LEVEL_MODULES:  # loaded only when configs name them: list them too
+                with contextlib.suppress(ImportError):
+                    importlib.import_module(module)
+            return [TOP_LEVEL_BASES[param]] if param in TOP_LEVEL_BASES else []
+        owner = GROUP_CLASSES.get(".".join(group))
+    cls = _import_class(owner) if owner else None
+    import typing
+
+    for klass in cls.__mro__ if cls is not None else ():
+        try:
+            hint = typing.get_type_hints(klass.__init__).get(param)
+        except Exception:  # a hint that cannot be resolved: its raw annotation, if any
+            parameter = inspect.signature(klass.__init__).parameters.get(param)
+            hint = None if parameter is None or isinstance(parameter.annotation, str) else parameter.annotation
+        if hint is not None:
+            return _classes_in(hint)
+    return []
+
+
+def known_classes(bases: list[type]) -> list[str]:
+    """Names of the concrete subclasses of `bases` that are loaded: the project's, or else all of them."""
+    found: dict[str, type] = {}
+    stack = list(bases)
+    while stack:
+        cls = stack.pop()
+        stack.extend(cls.__subclasses__())
+        # jsonargparse's `lazy_instance` defaults are generated subclasses (LazyInstance_X): not names to give
+        if not cls.__name__.startswith(("_", "LazyInstance_")) and not inspect.isabstract(cls):
+            found.setdefault(cls.__name__, cls)
+    project = [name for name, cls in found.items() if cls.__module__.split(".")[0] in PROJECT_PACKAGES]
+    return sorted(project or found)
+
+
+def unknown_class_message(name: str, keys: list[str], owners: list[str | None]) -> str | None:
+    """"unknown class 'X' for 'data.defense' (did you mean 'Y'?); known: ..." (None when no class is
+    known for that option, or `name` is one after all)."""
+    names = known_classes(_expected_bases(owners[-1], keys))
+    short = name.rpartition(".")[2]
+    if not names or short in names and _import_class(name) is not None:
+        return None
+    close = difflib.get_close_matches(short, names, n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return f"unknown class '{name}' for '{'.'.join(keys)}'{hint}; known: {', '.join(names)}"
+
+
 def parse_error_message(message: str) -> str:
     """jsonargparse's nested report of a bad option or value -> one line naming the dotted option.
 
@@ -169,6 +400,7 @@ def parse_error_message(message: str) -> str:
         hint = f" (did you mean '{'.'.join([*keys, close[0]])}'?)" if close else ""
         return f"unknown option '{match.group(1)}'{hint}; `lti fit --help` lists every option"
     keys: list[str] = []
+    owners: list[str | None] = []  # the class_path each key is an init argument of (None: a top-level group)
     class_path = None
     detail = None
     for raw in message.splitlines():
@@ -177,8 +409,11 @@ def parse_error_message(message: str) -> str:
             if line:
                 break
             continue
+        if keys and (unknown := _unknown_class(line, class_path)) and (said := unknown_class_message(unknown, keys, owners)):
+            return said
         if match := re.fullmatch(r'Parser key "([^"]+)":', line):
             keys.append(match.group(1))
+            owners.append(class_path)
         elif match := re.fullmatch(r"Problem with given class_path '([^']+)':", line):
             class_path = match.group(1)
         elif match := re.fullmatch(r"Option '([^']+)' is not accepted", line):
@@ -210,7 +445,21 @@ def user_message(error: BaseException) -> str:
         if not isinstance(inner, USER_ERRORS):
             break
         error = inner
+    if isinstance(error, MisconfigurationException):
+        return trainer_value_message(str(error))
     return str(error)
+
+
+def trainer_value_message(message: str) -> str:
+    """Lightning's report of a bad Trainer value ("`max_steps` must be ...", "invalid value -2 for
+    val_check_interval") names the option as `lti` does: 'trainer.max_steps'."""
+    message = " ".join(message.split())
+    parameters = inspect.signature(Trainer.__init__).parameters
+    match = re.match(r"`(\w+)`\s*(.*)", message)
+    if match and match.group(1) in parameters:
+        return f"bad value for 'trainer.{match.group(1)}': {match.group(2)}"
+    named = [(m.start(), m.group(0)) for m in re.finditer(r"\w+", message) if m.group(0) in parameters and m.group(0) != "self"]
+    return f"bad value for 'trainer.{min(named)[1]}': {message}" if named else message
 
 
 def run(args: list[str] | None = None) -> None:
@@ -220,14 +469,25 @@ def run(args: list[str] | None = None) -> None:
     # Our training streams restart at the trainer's restored step (datamodules.training_stream), so a
     # mid-epoch checkpoint resumes exactly (tests/lti/test_resume.py); Lightning cannot see that.
     warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
-    LTICLI(
-        LightningModule,
-        LightningDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        trainer_defaults=trainer_defaults(),
-        save_config_kwargs={"overwrite": True},
-        args=args,
-        parser_kwargs={"default_env": False, "exit_on_error": False},
-    )
+    # A checkpoint folder is claimed before a fit (lti.checkpoint_folder: its lock file is in it, an earlier
+    # run's checkpoints are refused), so Lightning's warning about a folder that is not empty says nothing.
+    warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+    environment = {variable: os.environ.get(variable) for variable in WANDB_FOLDERS}
+    try:
+        LTICLI(
+            LightningModule,
+            LightningDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            trainer_defaults=trainer_defaults(),
+            save_config_kwargs={"overwrite": True},
+            args=args,
+            parser_kwargs={"default_env": False, "exit_on_error": False},
+        )
+    finally:  # W&B's folders were this run's (`keep_wandb_files_in_run_folder`): the next run in this process sets its own
+        for variable, value in environment.items():
+            if value is None:
+                os.environ.pop(variable, None)
+            else:
+                os.environ[variable] = value
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -46,6 +47,9 @@ def fit(tree: Path, run: str, steps: int, out: Path) -> Path:
             "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(folder),
             "--checkpoint.dirpath", str(folder / "ckpt")]
     env = {**os.environ, "PYTHONPATH": str(tree), "WANDB_MODE": "disabled"}
+    # A fit refuses a checkpoint folder holding an earlier run's checkpoints; this tool's runs are fresh
+    # each time (an option to say so would be unknown to an older baseline).
+    shutil.rmtree(folder / "ckpt", ignore_errors=True)
     with open(out / f"{run}.log", "w") as log:
         subprocess.run(args, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
     return folder

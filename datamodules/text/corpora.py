@@ -141,10 +141,16 @@ class LocalCorpus(TextCorpus):
     def _load_files(self, files: list[str]):
         from datasets import load_dataset
 
-        if self.format == "text":
-            ds = load_dataset("text", data_files=files, split="train")
-        else:
-            ds = load_dataset("csv", data_files=files, delimiter="\t", split="train")
+        try:
+            if self.format == "text":
+                ds = load_dataset("text", data_files=files, split="train")
+            else:
+                ds = load_dataset("csv", data_files=files, delimiter="\t", split="train")
+        except Exception as error:  # datasets wraps a decoding error in its own, without the file's name
+            if _caused_by(error, UnicodeDecodeError) and (problem := _first_undecodable(files)):
+                raise problem from None
+            raise
+        if self.format != "text":
             if self.text_column not in ds.column_names:
                 raise ValueError(f"TSV files have no column {self.text_column!r}; columns: {ds.column_names}")
             if self.text_column != "text":
@@ -171,6 +177,61 @@ class LocalCorpus(TextCorpus):
             extra = [corpus.load()["auxiliary"].select_columns(["text"]) for corpus in self.auxiliary_corpora]
             splits["auxiliary"] = concatenate_datasets([splits["auxiliary"], *extra])
         return splits
+
+
+def _caused_by(error: BaseException | None, kind: type) -> bool:
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, kind):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _likely_encoding(sample: bytes) -> str:
+    """An encoding the bytes around a decoding error may be in (iconv's name), for the error's hint."""
+    if sample.startswith((b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff")):
+        return "UTF-32"
+    if sample.startswith((b"\xff\xfe", b"\xfe\xff")):
+        return "UTF-16"
+    try:
+        sample.decode("cp1252")
+        return "CP1252"  # Windows' Western European; ISO-8859-1 text decodes the same but for a few symbols
+    except UnicodeDecodeError:
+        return "LATIN1"
+
+
+def _first_undecodable(files: list[str]) -> ValueError | None:
+    """A one-line error naming the first file that is not UTF-8, the byte offset and line of its first
+    undecodable byte, and a likely encoding with the command that converts it."""
+    import codecs
+
+    for name in files:
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        offset, lines = 0, 0
+        with open(name, "rb") as file:
+            head = file.read(4)
+            file.seek(0)
+            while True:
+                chunk = file.read(1 << 20)
+                pending = decoder.getstate()[0]  # bytes of a character cut by the previous chunk
+                try:
+                    decoder.decode(chunk, final=not chunk)
+                except UnicodeDecodeError as error:
+                    data = pending + chunk
+                    position = offset - len(pending) + error.start
+                    line = lines + data[: error.start].count(b"\n") + 1
+                    byte = data[error.start : error.start + 1].hex() or "end of file"
+                    encoding = _likely_encoding(head if head.startswith((b"\xff", b"\xfe", b"\x00")) else data)
+                    return ValueError(
+                        f"corpus file {name!r} is not UTF-8: byte 0x{byte} at offset {position} (line {line}) cannot be "
+                        f"decoded; it may be {encoding}: convert it with `iconv -f {encoding} -t UTF-8 {name} > {name}.utf8`")
+                if not chunk:
+                    break
+                offset += len(chunk)
+                lines += chunk.count(b"\n")
+    return None
 
 
 def _gensim_test_data() -> Path:

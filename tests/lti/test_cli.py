@@ -96,7 +96,8 @@ def test_a_fit_shorter_than_its_validation_interval_ends_with_a_validation(make_
     assert "val results (8 updates)" in out
     assert torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["global_step"] == 3
     # A last step that validates anyway validates once.
-    main(["fit", "--config", str(make_config(**{"trainer.val_check_interval": 2, "curve.path": str(tmp_path / "curve2.csv")}))])
+    main(["fit", "--config", str(make_config(**{"trainer.val_check_interval": 2, "curve.path": str(tmp_path / "curve2.csv"),
+                                                "checkpoint.dirpath": str(tmp_path / "ckpt2")}))])
     assert [line.split(",")[0] for line in (tmp_path / "curve2.csv").read_text().splitlines()[1:]] == ["2", "4"]
 
 
