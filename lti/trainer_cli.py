@@ -14,6 +14,7 @@ from pathlib import Path
 
 from jsonargparse import ArgumentError
 from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -174,7 +175,10 @@ class LTICLI(LightningCLI):
         if folder is None or not self.trainer.is_global_zero:
             return None
         config = self.config_init["fit"]
-        claimed = claim(folder, config.get("ckpt_path"), bool(config.get("overwrite_checkpoints")))
+        ckpt_path = config.get("ckpt_path")
+        if ckpt_path is None and SLURMEnvironment.detect() and self.trainer._checkpoint_connector._hpc_resume_path:
+            ckpt_path = "hpc"  # a requeued SLURM job: Lightning resumes from its HPC checkpoint (as it decides)
+        claimed = claim(folder, ckpt_path, bool(config.get("overwrite_checkpoints")))
         for note in claimed.notes:
             self._say(note)
         return claimed
