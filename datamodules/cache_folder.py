@@ -29,6 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
+from datamodules.processes import process_alive
+
 log = logging.getLogger(__name__)
 
 #: Bytes per checksummed chunk: the unit a sampled check reads (costs: benchmarks/results/cache_checksums_cpu.md).
@@ -36,7 +38,6 @@ CHUNK_BYTES = 16 << 20
 #: Random chunks a sampled check reads per file, besides the first and the last.
 SAMPLED_CHUNKS = 4
 ALGORITHM = "sha256-128"  # SHA-256 cut to 128 bits; twice blake2b's speed on CPUs with SHA extensions
-PF_EXITING = 0x4  # Linux's flag of a process in exit (/proc/<pid>/stat, field 9)
 
 
 def _threads() -> int:
@@ -119,20 +120,6 @@ def partial_folder(folder: Path) -> Path:
     return folder.with_name(f"{folder.name}.partial-{_owner()}")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    try:  # Linux: a process that is exiting (it has let go of its lock) or not yet reaped (a zombie) is dead too
-        state, *_, flags = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:7]
-        return state not in ("Z", "X") and not int(flags) & PF_EXITING
-    except (OSError, ValueError):
-        return True
-
-
 def remove_dead_partials(folder: Path) -> None:
     """Removes the partial builds of `folder` left by builders that died on this host; a live builder's
     and another host's (whose builder this host cannot see) are left alone."""
@@ -140,7 +127,7 @@ def remove_dead_partials(folder: Path) -> None:
     for partial in folder.parent.glob(f"{folder.name}.partial-*"):
         owner = partial.name.rsplit(".partial-", 1)[1]
         builder_host, _, pid = owner.rpartition("-")  # "<host>-<pid>", or "<pid>" from older versions
-        if (builder_host or host) != host or not pid.isdigit() or _alive(int(pid)):
+        if (builder_host or host) != host or not pid.isdigit() or process_alive(int(pid)):
             continue
         shutil.rmtree(partial, ignore_errors=True)
 

@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
+from datamodules.processes import process_alive
+
 TEMP_MARK = ".tmp-"
 _TEMP_NAME = re.compile(rf"^\.(?P<name>.+){re.escape(TEMP_MARK)}(?P<pid>\d+)$")
 
@@ -33,17 +35,6 @@ class WriteFailed(OSError):
 def temp_path(path: Path) -> Path:
     """The temporary name this process writes `path` under: hidden, beside it, with this process's PID."""
     return path.with_name(f".{path.name}{TEMP_MARK}{os.getpid()}")
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this PID runs on this machine."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def _fsync_folder(folder: Path) -> None:
@@ -107,6 +98,6 @@ def orphaned_temp_files(folder: str | os.PathLike) -> list[Path]:
     orphans = []
     for entry in sorted(folder.iterdir()):
         match = _TEMP_NAME.match(entry.name)
-        if match and entry.is_file() and int(match["pid"]) != os.getpid() and not pid_alive(int(match["pid"])):
+        if match and entry.is_file() and int(match["pid"]) != os.getpid() and not process_alive(int(match["pid"])):
             orphans.append(entry)
     return orphans

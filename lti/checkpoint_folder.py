@@ -22,7 +22,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lti.atomic_files import orphaned_temp_files, pid_alive
+from lti.atomic_files import orphaned_temp_files, process_alive
 
 LOCK_NAME = ".lock"
 #: `--ckpt_path` values Lightning resolves inside the checkpoint folder itself (a resume).
@@ -97,10 +97,10 @@ def _lock(folder: Path) -> tuple[int, str | None]:
                     os.close(fd)
                     raise FolderInUse(_in_use_message(folder, pid, host)) from None
                 except OSError:  # no flock on this file system: judge by the PID written in the file
-                    if pid is not None and pid != os.getpid() and (host != socket.gethostname() or pid_alive(pid)):
+                    if pid is not None and pid != os.getpid() and (host != socket.gethostname() or process_alive(pid)):
                         os.close(fd)
                         raise FolderInUse(_in_use_message(folder, pid, host)) from None
-            elif pid is not None and pid != os.getpid() and (host != socket.gethostname() or pid_alive(pid)):
+            elif pid is not None and pid != os.getpid() and (host != socket.gethostname() or process_alive(pid)):
                 os.close(fd)
                 raise FolderInUse(_in_use_message(folder, pid, host)) from None
             try:

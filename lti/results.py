@@ -114,7 +114,7 @@ class ResultsWriter(Callback):
 
     def _setting(self, trainer: Trainer, pl_module: LightningModule) -> dict:
         """The run's threat model, with `trained_under` where the loaded checkpoint was trained under another."""
-        setting = trainer.datamodule.describe() if hasattr(trainer.datamodule, "describe") else {}
+        setting = trainer.datamodule.describe()  # AttackData: the attack modules require it at setup
         mismatch = trained_elsewhere(getattr(pl_module, "trained_under", None), setting)
         if mismatch:
             setting["trained_under"] = mismatch

@@ -6,6 +6,7 @@ Every launcher ends here (lti.matrix.launchers.execute_cell), in whichever proce
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import sys
 import threading
@@ -77,6 +78,10 @@ def run_cell(grid: Grid, protocol: Entry, defense: Entry, attack: Entry) -> dict
         return {**record, "status": "n/a", "reason": reason}
     commands = cell_commands(grid, protocol, defense, attack)
     record["commands"] = [["lti", *c] for c in commands]
+    if attack.kind != "exact":
+        # A cell runs when it has no finished record (first run, retry, changed arguments): checkpoints
+        # in its folder are a stopped or stale attempt's, which `lti fit` would refuse to write over.
+        shutil.rmtree(folder / "ckpt", ignore_errors=True)
     start = time.perf_counter()
     try:
         for args in commands:

@@ -276,3 +276,20 @@ def test_cell_records_are_replaced_whole(grid_file, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         _save_record(grid, cell, {**record, "seconds": 99.0})
     assert _finished(grid, *cell)["seconds"] == 12.5
+
+
+def test_a_learned_cell_starts_from_an_empty_checkpoint_folder(grid_file, monkeypatch):
+    """A retried or redone cell's old checkpoints would make its `lti fit` refuse the folder."""
+    from lti.matrix.cell import run_cell
+    from lti.matrix.grid import cell_folder
+
+    grid = load_grid(grid_file)
+    protocol, defense = grid.protocols[0], grid.defenses[0]
+    attack = next(a for a in grid.attacks if a.kind != "exact")
+    stale = cell_folder(grid, protocol, defense, attack) / "ckpt" / "step4.ckpt"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"an earlier attempt")
+    seen = []
+    monkeypatch.setattr("lti.matrix.cell._run_lti", lambda args: seen.append(stale.parent.exists()))
+    run_cell(grid, protocol, defense, attack)  # fails later (no metrics file): only the folder matters here
+    assert seen and seen[0] is False

@@ -321,8 +321,8 @@ def test_a_damaged_cache_ends_lti_fit_with_one_line_naming_the_file(make_config,
     lti_main(["fit", "--config", str(config)])
     _overwrite(cache / "features.npy", _features_offset(cache) + 64, np.full(200, np.float16(50)).tobytes())
     capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_status:
-        lti_main(["fit", "--config", str(config)])
+    with pytest.raises(SystemExit) as exit_status:  # a second, new run reading the damaged cache
+        lti_main(["fit", "--config", str(config), "--overwrite_checkpoints", "true"])
     assert exit_status.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         f"lti: error: observation cache file {str(cache / 'features.npy')!r} does not match its checksum (bytes 0-"
