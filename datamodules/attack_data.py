@@ -53,6 +53,12 @@ class TextAttackData(AttackData, Protocol):
     inversion_spec: InversionSpec
     #: (m * L,) the per-position majority token of the server's data: the attack-free baseline (after setup).
     majority_tokens: Tensor | None
+    #: What the server observes and how (client, defense, observed, hashing, cache).
+    observation: Any
+    #: Whether evaluation batches carry the defended update (`batch["update"]`).
+    keep_eval_updates: bool
+    #: Whether training batches carry it too (set by an attack that reads it; on-the-fly updates only).
+    keep_train_updates: bool
 
     def decode(self, ids: Tensor, mask: Tensor | None = None) -> list[str]:
         """(U, m * L) token ids -> U texts."""

@@ -163,6 +163,9 @@ class InversionDataModule(LightningDataModule):
         if grouping not in ("fixed", "fresh"):
             raise ValueError(f"grouping {grouping!r} is not allowed; use 'fixed' or 'fresh'")
         self.grouping = grouping
+        # Whether training batches carry the defended update too: set by an attack that reads it (the
+        # hybrid's span evidence); it needs updates computed on the fly.
+        self.keep_train_updates = False
         self._splits: dict[str, ClientUpdates] | None = None
         self._cache = None
 
@@ -327,7 +330,8 @@ class InversionDataModule(LightningDataModule):
         self.pipeline.to(device)
         training = self.trainer is not None and self.trainer.training
         with seeded(device, self.observation_seed(batch, training)):  # the caller's random state is left as it was
-            observed = self.pipeline(client_batch, keep_update=self.keep_eval_updates and not training)
+            keep = self.keep_train_updates if training else self.keep_eval_updates
+            observed = self.pipeline(client_batch, keep_update=keep)
         batch["features"] = observed.features
         if observed.update is not None:
             batch["update"] = observed.update

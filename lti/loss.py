@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -65,11 +67,15 @@ class InverterLoss:
         self.negatives = negatives
 
     def __call__(self, inverter, features: Tensor, targets: Tensor, mask: Tensor, training: bool,
-                 generator: torch.Generator | None = None, sequences: int = 1) -> tuple[Tensor, Tensor | None]:
+                 generator: torch.Generator | None = None, sequences: int = 1,
+                 bonus: Callable[[Tensor | None], Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
         """Returns (loss, full logits (U, P, V) or None when the loss was sampled). With `sequences`
-        m > 1 the positions are m sequences of P / m tokens, matched to the targets as a set."""
+        m > 1 the positions are m sequences of P / m tokens, matched to the targets as a set. `bonus`
+        (the hybrid's exact evidence) maps token ids (None: all) to (U, P, len) additive logits."""
         if not training or self.negatives is None:
             logits = inverter(features)
+            if bonus is not None:
+                logits = logits + bonus(None)
             return position_loss(logits, *matched_targets(logits, targets, mask, sequences)), logits
         hidden = inverter.represent(features)
         vocab = inverter.spec.vocab_size
@@ -77,4 +83,6 @@ class InverterLoss:
         candidates = torch.unique(torch.cat([targets.reshape(-1), drawn]))  # sorted
         local = torch.searchsorted(candidates, targets)
         logits = inverter.decode(hidden, candidates)
+        if bonus is not None:
+            logits = logits + bonus(candidates)
         return position_loss(logits, *matched_targets(logits, local, mask, sequences)), None

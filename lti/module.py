@@ -20,6 +20,8 @@ from datamodules.attack_data import AttackData, TextAttackData, require
 from datamodules.metrics import RougeScores, TokenAccuracy, match_sequences, reorder_sequences, rouge_f, token_accuracy
 from datamodules.registry import materialize
 from datamodules.training_stream import NEGATIVES, step_generator
+from exact.span_evidence import EvidenceOptions, SpanEvidence
+from lti.evidence_prior import EvidencePrior
 from lti.inverters import EmbeddingInverter, Inverter
 from lti.loss import InverterLoss
 
@@ -152,6 +154,7 @@ class InversionModule(LearnedInversionModule):
         scheduler: Literal["constant", "cosine", "halfway_drop"] = "constant",
         warmup_steps: int = 0,
         negatives: int | None = None,
+        evidence: EvidenceOptions = EvidenceOptions(),
     ) -> None:
         """
         Args:
@@ -164,10 +167,16 @@ class InversionModule(LearnedInversionModule):
             negatives: Sampled softmax in training: score the batch's target tokens plus this many
                 uniformly drawn token ids instead of the whole vocabulary (a few times cheaper per
                 step on a CPU; evaluation always scores every token). None: full softmax.
+            evidence: The hybrid attack: DAGER's first-layer span test, computed by the server from each
+                defended update, scores every token at every position; a learned function of the scores
+                is added to the inverter's logits (`enabled: true`; exact/span_evidence.py).
         """
         super().__init__()
         self.inverter = self._init_training(inverter, lr, scheduler)
         self.loss = InverterLoss(negatives)
+        self.evidence_options = evidence
+        self.evidence_prior = EvidencePrior() if evidence.enabled else None
+        self.span_evidence: SpanEvidence | None = None  # built in setup, from the DataModule's target
         # One metric object per stage (e.g. `val_token_acc`), so stages never share state.
         for stage in STAGES:
             setattr(self, f"{stage}_token_acc", TokenAccuracy())
@@ -180,6 +189,19 @@ class InversionModule(LearnedInversionModule):
     @property
     def data(self) -> TextAttackData:
         return self.trainer.datamodule
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        if self.evidence_prior is not None and self.span_evidence is None:
+            data = self.data
+            if stage == "fit" and data.observation.cache.path:
+                raise ValueError("model.evidence reads every training update's first layer, which the observation cache "
+                                 "does not hold; set data.cache.path null (updates computed on the fly)")
+            if not data.keep_eval_updates:
+                raise ValueError("model.evidence reads the evaluation updates: set data.keep_eval_updates true")
+            data.keep_train_updates = True
+            self.span_evidence = SpanEvidence(data.pipeline.target, list(data.pipeline.names),
+                                              data.samples_per_update * data.seq_len, data.seq_len, self.evidence_options)
 
     def configure_model(self) -> None:
         # Called after the DataModule's setup and before a checkpoint is restored.
@@ -194,6 +216,18 @@ class InversionModule(LearnedInversionModule):
     def forward(self, features: Tensor) -> Tensor:
         return self.inverter(features)
 
+    def _evidence_bonus(self, batch: dict):
+        """token ids (None: all) -> the (U, m*L, len) logit bonus of the batch's span evidence; None without evidence."""
+        if self.evidence_prior is None:
+            return None
+        if "update" not in batch:
+            raise ValueError("model.evidence needs the defended update in every batch; it was not kept "
+                             "(computed on the fly with data.cache.path null and data.keep_eval_updates true)")
+        with torch.no_grad():
+            scores = self.span_evidence(self.data.pipeline.split(batch["update"])).to(batch["features"].dtype)
+        sequences = self.data.samples_per_update
+        return lambda tokens: self.evidence_prior(scores if tokens is None else scores[..., tokens], sequences)
+
     def _step(self, batch: dict, stage: str) -> Tensor:
         features = batch["features"]  # (U, k): the attack sees only the hashed update
         updates = features.shape[0]
@@ -207,7 +241,7 @@ class InversionModule(LearnedInversionModule):
             generator = step_generator(NEGATIVES, self.data.seed, self.global_rank, step)
         sequences = self.data.samples_per_update
         loss, logits = self.loss(self.inverter, features, targets, mask, training=training, generator=generator,
-                                 sequences=sequences)
+                                 sequences=sequences, bonus=self._evidence_bonus(batch))
         self.log(f"{stage}/loss", loss, prog_bar=True, sync_dist=stage != "train", batch_size=updates)
         if logits is None:  # sampled softmax: no full scores, so no training accuracy
             return loss
@@ -238,7 +272,9 @@ class InversionModule(LearnedInversionModule):
             })
 
     def predict_step(self, batch: dict, batch_idx: int) -> list[dict]:
-        preds = self(batch["features"]).argmax(dim=-1)
+        logits = self(batch["features"])
+        bonus = self._evidence_bonus(batch)
+        preds = (logits if bonus is None else logits + bonus(None)).argmax(dim=-1)
         texts = self.data.decode(preds)
         return [{"index": int(i), "reconstruction": t} for i, t in zip(batch["index"], texts)]
 

@@ -1,0 +1,133 @@
+"""Span evidence: DAGER's first-layer test as graded, server-computable scores for a learned inverter.
+
+The rows of the first attention layer's weight gradient lie in the span of the batch's first-layer
+inputs, so every vocabulary token t at every position p has a distance to that span (DAGER's step 1,
+`exact.dager.span`). Without a defense and while the batch's m * L tokens are fewer than the width d,
+the batch's tokens are at distance ~0 and every other token is not: the test names the tokens of each
+position exactly, but not which sequence each belongs to. Under sign, pruning or noise the span is
+full-rank; capped at its m * L strongest directions (and at `max_span_fraction` of the width, so that
+a batch with more tokens than d still leaves a complement) the distance degrades into a ranking.
+
+`SpanEvidence(update)` turns a batch of defended updates into scores z (U, L, V): the mean log-distance
+of the position minus the token's own, so that larger is closer and a score is comparable across
+updates whatever their rank. The learned inverter adds a learned function of z to its logits
+(`lti.evidence_prior`). Plain PyTorch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from exact.dager.span import SpanBasis, token_distances
+from exact.layers import find_layers
+from exact.option_group import OptionGroup
+
+#: Added to every distance before the log: distances below it (exact membership up to float32
+#: rounding of the expansion, about 1e-4) all count as "in the span".
+DISTANCE_FLOOR = 1e-4
+
+
+@dataclass(frozen=True)
+class EvidenceOptions(OptionGroup):
+    """The hybrid learned attack's exact evidence (issue 33): DAGER's first-layer span test as an input.
+
+    Args:
+        enabled: Add the scores of the span test to the inverter's logits (reads the defended update of
+            every training batch, so the updates are computed on the fly: no observation cache).
+        max_span_fraction: Keep at most this fraction of the width d as span directions (the strongest
+            singular directions), so that updates of more than d tokens still rank tokens.
+        blocks: `qkv` (all three projection blocks of the first attention layer) or `q` (the query only).
+        rank_tol: Singular values below rank_tol times the largest count as zero (the numerical rank).
+    """
+
+    enabled: bool = False
+    max_span_fraction: float = 0.9
+    blocks: str = "qkv"
+    rank_tol: float = 1e-6
+
+    def _check(self) -> None:
+        if not 0.0 < self.max_span_fraction < 1.0:
+            raise ValueError(f"evidence.max_span_fraction={self.max_span_fraction} must be in (0, 1)")
+        if self.blocks not in ("q", "qkv"):
+            raise ValueError(f"evidence.blocks {self.blocks!r} is not allowed; use 'q' or 'qkv'")
+        if self.rank_tol <= 0:
+            raise ValueError(f"evidence.rank_tol={self.rank_tol} must be > 0")
+
+
+class SpanEvidence(nn.Module):
+    """Per-position token scores (U, L, V) of a batch of defended updates, from the first attention layer.
+
+    `target` is the global model; `observed` the parameter names the server observes (the first
+    layer's projection must be among them); `tokens_per_update` caps the span rank at the update's
+    m * L tokens.
+    """
+
+    def __init__(self, target: nn.Module, observed: list[str], tokens_per_update: int, seq_len: int,
+                 options: EvidenceOptions = EvidenceOptions()) -> None:
+        super().__init__()
+        try:
+            layers = find_layers(target)
+        except ValueError as error:
+            raise ValueError(f"model.evidence needs the first attention layer of the target: {error}") from None
+        self.first, self.inputs, self.options = layers.first, layers.inputs, options
+        missing = [n for n in self.first.names(options.blocks) if n not in observed]
+        if missing:
+            raise ValueError(f"model.evidence reads the first attention layer's gradient ({', '.join(missing)}), which "
+                             "the server does not observe under data.observed; observe it or disable model.evidence")
+        if self.inputs.positions is not None and seq_len > self.inputs.num_positions:
+            raise ValueError(f"model.evidence: seq_len {seq_len} exceeds the target's {self.inputs.num_positions} positions")
+        self.seq_len = seq_len
+        self.max_rank = min(tokens_per_update, int(math.floor(options.max_span_fraction * self.inputs.dim)))
+
+    def spans(self, update: dict[str, Tensor]) -> list[SpanBasis]:
+        """One span basis per update of the batched update dict {name: (U, *shape)}."""
+        count = next(iter(update.values())).shape[0]
+        names = self.first.names(self.options.blocks)
+        bases = []
+        for u in range(count):
+            space = self.first.input_space({n: update[n][u] for n in names}, self.options.blocks)
+            g = torch.nan_to_num(space.detach().double(), nan=0.0, posinf=0.0, neginf=0.0)
+            if g.shape[1] > g.shape[0]:  # (d, width > d): the R factor has the same U and S
+                g = torch.linalg.qr(g.T, mode="r").R.T
+            left, s, _ = torch.linalg.svd(g, full_matrices=True)
+            top = float(s[0]) if s.numel() else 0.0
+            numerical = int((s > self.options.rank_tol * top).sum()) if top > 0 else 0
+            bases.append(SpanBasis(left, s, numerical, min(numerical, self.max_rank)))
+        return bases
+
+    def distances(self, update: dict[str, Tensor]) -> Tensor:
+        """(U, L, V) distance of every token at every position to each update's capped span, float32.
+
+        Without a normalisation before the first attention (post-LN models such as transformer3) the
+        input is y = s E[t] + c_p and ||N^T y||^2 expands into a per-token part (one (V, d) x (d, d)
+        product per update) and (V, L) cross terms; other models go through the per-update reference
+        `token_distances`, which this fast path is tested against.
+        """
+        bases = self.spans(update)
+        positions = list(range(self.seq_len))
+        if self.inputs.norm != "none":
+            return torch.stack([token_distances(b, self.inputs, positions).float() for b in bases])
+        device = bases[0].u.device
+        u = torch.stack([b.u for b in bases]).float()  # (U, d, d)
+        complement = torch.stack([(torch.arange(b.dim, device=device) >= b.rank) for b in bases]).float()  # (U, d)
+        tokens = self.inputs.scale * self.inputs.embedding.detach().to(device, torch.float32)  # (V, d)
+        consts = torch.stack([self.inputs.constant(p, torch.float32).to(device) for p in positions])  # (L, d)
+        token_sq = tokens.pow(2).sum(1)  # (V,)
+        norm_sq = token_sq[:, None] + 2 * tokens @ consts.T + consts.pow(2).sum(1)[None]  # (V, L) ||y||^2
+        out = torch.empty(len(bases), self.seq_len, tokens.shape[0], device=device)
+        for i in range(len(bases)):
+            tok = tokens @ u[i]  # (V, d) coordinates in the singular basis
+            con = consts @ u[i]  # (L, d)
+            w = complement[i]
+            residual = ((tok.pow(2) * w).sum(1)[:, None] + 2 * (tok * w) @ con.T + (con.pow(2) * w).sum(1)[None])
+            out[i] = (residual.clamp_min(0) / norm_sq.clamp_min(1e-30)).sqrt().T
+        return out
+
+    def forward(self, update: dict[str, Tensor]) -> Tensor:
+        """(U, L, V) scores: the position's mean log-distance minus the token's (larger: closer to the span)."""
+        log_distance = torch.log(self.distances(update) + DISTANCE_FLOOR)
+        return log_distance.mean(-1, keepdim=True) - log_distance
