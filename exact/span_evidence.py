@@ -84,26 +84,26 @@ class SpanEvidence(nn.Module):
         self.max_rank = min(tokens_per_update, int(math.floor(options.max_span_fraction * self.inputs.dim)))
 
     def spans(self, update: dict[str, Tensor]) -> list[SpanBasis]:
-        """One span basis per update of the batched update dict {name: (U, *shape)}."""
+        """One span basis per update of the batched update dict {name: (U, *shape)} (one batched eigendecomposition)."""
         count = next(iter(update.values())).shape[0]
         names = self.first.names(self.options.blocks)
-        bases = []
-        for u in range(count):
-            space = self.first.input_space({n: update[n][u] for n in names}, self.options.blocks)
-            g = torch.nan_to_num(space.detach().double(), nan=0.0, posinf=0.0, neginf=0.0)
-            if g.shape[1] > g.shape[0]:  # (d, width > d): the R factor has the same U and S
-                g = torch.linalg.qr(g.T, mode="r").R.T
-            left, s, _ = torch.linalg.svd(g, full_matrices=True)
-            top = float(s[0]) if s.numel() else 0.0
-            numerical = int((s > self.options.rank_tol * top).sum()) if top > 0 else 0
-            bases.append(SpanBasis(left, s, numerical, min(numerical, self.max_rank)))
-        return bases
+        spaces = torch.stack([self.first.input_space({n: update[n][u] for n in names}, self.options.blocks)
+                              for u in range(count)])  # (U, d, width)
+        g = torch.nan_to_num(spaces.detach().double(), nan=0.0, posinf=0.0, neginf=0.0)
+        # The left singular vectors of g are the eigenvectors of g g^T (d x d). Small batched
+        # decompositions run one matrix at a time on a GPU (milliseconds each), so they run on the CPU.
+        values, vectors = torch.linalg.eigh((g @ g.transpose(1, 2)).cpu())
+        s = values.flip(-1).clamp_min(0).sqrt()  # descending singular values
+        left = vectors.flip(-1).to(spaces.device)
+        top = s[:, :1]
+        numerical = torch.where(top[:, 0] > 0, (s > self.options.rank_tol * top).sum(1), 0).tolist()
+        return [SpanBasis(left[u], s[u], numerical[u], min(numerical[u], self.max_rank)) for u in range(count)]
 
-    def distances(self, update: dict[str, Tensor]) -> Tensor:
+    def distances(self, update: dict[str, Tensor], chunk: int = 8) -> Tensor:
         """(U, L, V) distance of every token at every position to each update's capped span, float32.
 
         Without a normalisation before the first attention (post-LN models such as transformer3) the
-        input is y = s E[t] + c_p and ||N^T y||^2 expands into a per-token part (one (V, d) x (d, d)
+        input is y = s E[t] + c_p and ||N^T y||^2 expands into a per-token part (a (V, d) x (d, d)
         product per update) and (V, L) cross terms; other models go through the per-update reference
         `token_distances`, which this fast path is tested against.
         """
@@ -113,18 +113,19 @@ class SpanEvidence(nn.Module):
             return torch.stack([token_distances(b, self.inputs, positions).float() for b in bases])
         device = bases[0].u.device
         u = torch.stack([b.u for b in bases]).float()  # (U, d, d)
-        complement = torch.stack([(torch.arange(b.dim, device=device) >= b.rank) for b in bases]).float()  # (U, d)
+        ranks = torch.tensor([b.rank for b in bases], device=device)
+        complement = (torch.arange(u.shape[1], device=device)[None] >= ranks[:, None]).float()  # (U, d)
         tokens = self.inputs.scale * self.inputs.embedding.detach().to(device, torch.float32)  # (V, d)
         consts = torch.stack([self.inputs.constant(p, torch.float32).to(device) for p in positions])  # (L, d)
-        token_sq = tokens.pow(2).sum(1)  # (V,)
-        norm_sq = token_sq[:, None] + 2 * tokens @ consts.T + consts.pow(2).sum(1)[None]  # (V, L) ||y||^2
+        norm_sq = tokens.pow(2).sum(1)[:, None] + 2 * tokens @ consts.T + consts.pow(2).sum(1)[None]  # (V, L) ||y||^2
         out = torch.empty(len(bases), self.seq_len, tokens.shape[0], device=device)
-        for i in range(len(bases)):
-            tok = tokens @ u[i]  # (V, d) coordinates in the singular basis
-            con = consts @ u[i]  # (L, d)
-            w = complement[i]
-            residual = ((tok.pow(2) * w).sum(1)[:, None] + 2 * (tok * w) @ con.T + (con.pow(2) * w).sum(1)[None])
-            out[i] = (residual.clamp_min(0) / norm_sq.clamp_min(1e-30)).sqrt().T
+        for start in range(0, len(bases), chunk):
+            basis, w = u[start : start + chunk], complement[start : start + chunk, None]  # (c, d, d), (c, 1, d)
+            tok = torch.matmul(tokens, basis)  # (c, V, d): coordinates in each update's singular basis
+            con = torch.matmul(consts, basis)  # (c, L, d)
+            residual = ((tok.pow(2) * w).sum(-1, keepdim=True) + 2 * (tok * w) @ con.transpose(1, 2)
+                        + (con.pow(2) * w).sum(-1)[:, None])  # (c, V, L)
+            out[start : start + chunk] = (residual.clamp_min(0) / norm_sq.clamp_min(1e-30)).sqrt().transpose(1, 2)
         return out
 
     def forward(self, update: dict[str, Tensor]) -> Tensor:

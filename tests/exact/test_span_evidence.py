@@ -97,3 +97,17 @@ def test_a_first_layer_the_server_does_not_observe_is_refused_in_one_line():
 def test_bad_options_are_refused_in_one_line(options, message):
     with pytest.raises(ValueError, match=message):
         EvidenceOptions(**options)
+
+
+def test_the_batched_span_projects_like_dagers_svd_basis():
+    from exact.dager.span import span_basis
+
+    target = _target()
+    m = 2
+    pipeline, ids, update = _updates(target, m, defense=GaussianNoise(sigma=1e-4))
+    evidence = SpanEvidence(target, list(pipeline.names), m * L, L)
+    for u, basis in enumerate(evidence.spans(update)):
+        space = evidence.first.input_space({n: update[n][u] for n in evidence.first.names()})
+        reference = span_basis(space, max_rank=m * L)
+        assert basis.rank == reference.rank
+        assert torch.allclose(basis.range @ basis.range.T, reference.range @ reference.range.T, atol=1e-8)
