@@ -99,8 +99,9 @@ class SpanEvidence(nn.Module):
         numerical = torch.where(top[:, 0] > 0, (s > self.options.rank_tol * top).sum(1), 0).tolist()
         return [SpanBasis(left[u], s[u], numerical[u], min(numerical[u], self.max_rank)) for u in range(count)]
 
-    def distances(self, update: dict[str, Tensor], chunk: int = 8) -> Tensor:
-        """(U, L, V) distance of every token at every position to each update's capped span, float32.
+    def distances(self, update: dict[str, Tensor], tokens: Tensor | None = None, chunk: int = 8) -> Tensor:
+        """(U, L, V) distance of every token (or of the token ids `tokens`: (U, L, len)) at every position
+        to each update's capped span, float32.
 
         Without a normalisation before the first attention (post-LN models such as transformer3) the
         input is y = s E[t] + c_p and ||N^T y||^2 expands into a per-token part (a (V, d) x (d, d)
@@ -110,12 +111,15 @@ class SpanEvidence(nn.Module):
         bases = self.spans(update)
         positions = list(range(self.seq_len))
         if self.inputs.norm != "none":
-            return torch.stack([token_distances(b, self.inputs, positions).float() for b in bases])
+            full = torch.stack([token_distances(b, self.inputs, positions).float() for b in bases])
+            return full if tokens is None else full[..., tokens.to(full.device)]
         device = bases[0].u.device
         u = torch.stack([b.u for b in bases]).float()  # (U, d, d)
         ranks = torch.tensor([b.rank for b in bases], device=device)
         complement = (torch.arange(u.shape[1], device=device)[None] >= ranks[:, None]).float()  # (U, d)
-        tokens = self.inputs.scale * self.inputs.embedding.detach().to(device, torch.float32)  # (V, d)
+        embedding = self.inputs.embedding.detach()
+        rows = embedding if tokens is None else embedding[tokens.to(embedding.device)]
+        tokens = self.inputs.scale * rows.to(device, torch.float32)  # (V, d)
         consts = torch.stack([self.inputs.constant(p, torch.float32).to(device) for p in positions])  # (L, d)
         norm_sq = tokens.pow(2).sum(1)[:, None] + 2 * tokens @ consts.T + consts.pow(2).sum(1)[None]  # (V, L) ||y||^2
         out = torch.empty(len(bases), self.seq_len, tokens.shape[0], device=device)
@@ -128,7 +132,14 @@ class SpanEvidence(nn.Module):
             out[start : start + chunk] = (residual.clamp_min(0) / norm_sq.clamp_min(1e-30)).sqrt().transpose(1, 2)
         return out
 
-    def forward(self, update: dict[str, Tensor]) -> Tensor:
-        """(U, L, V) scores: the position's mean log-distance minus the token's (larger: closer to the span)."""
-        log_distance = torch.log(self.distances(update) + DISTANCE_FLOOR)
-        return log_distance.mean(-1, keepdim=True) - log_distance
+    def forward(self, update: dict[str, Tensor], tokens: Tensor | None = None, reference: Tensor | None = None) -> Tensor:
+        """(U, L, V) scores: the position's mean log-distance minus the token's (larger: closer to the span).
+
+        With token ids `tokens` (C,) only their (U, L, C) scores, the mean taken over the columns
+        `reference` (indices into `tokens` of a uniform draw from the vocabulary: an estimate of the
+        vocabulary's mean that the batch's own tokens do not bias). A training step with a sampled
+        softmax scores a few thousand tokens instead of V.
+        """
+        log_distance = torch.log(self.distances(update, tokens) + DISTANCE_FLOOR)
+        base = log_distance if reference is None else log_distance[..., reference]
+        return base.mean(-1, keepdim=True) - log_distance

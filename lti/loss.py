@@ -68,14 +68,15 @@ class InverterLoss:
 
     def __call__(self, inverter, features: Tensor, targets: Tensor, mask: Tensor, training: bool,
                  generator: torch.Generator | None = None, sequences: int = 1,
-                 bonus: Callable[[Tensor | None], Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
+                 bonus: Callable[[Tensor | None, Tensor | None], Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
         """Returns (loss, full logits (U, P, V) or None when the loss was sampled). With `sequences`
         m > 1 the positions are m sequences of P / m tokens, matched to the targets as a set. `bonus`
-        (the hybrid's exact evidence) maps token ids (None: all) to (U, P, len) additive logits."""
+        (the hybrid's exact evidence) maps token ids (None: all) and the indices among them of the
+        uniformly drawn ones to (U, P, len) additive logits."""
         if not training or self.negatives is None:
             logits = inverter(features)
             if bonus is not None:
-                logits = logits + bonus(None)
+                logits = logits + bonus(None, None)
             return position_loss(logits, *matched_targets(logits, targets, mask, sequences)), logits
         hidden = inverter.represent(features)
         vocab = inverter.spec.vocab_size
@@ -84,5 +85,5 @@ class InverterLoss:
         local = torch.searchsorted(candidates, targets)
         logits = inverter.decode(hidden, candidates)
         if bonus is not None:
-            logits = logits + bonus(candidates)
+            logits = logits + bonus(candidates, torch.searchsorted(candidates, drawn))
         return position_loss(logits, *matched_targets(logits, local, mask, sequences)), None

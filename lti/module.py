@@ -21,6 +21,7 @@ from datamodules.metrics import RougeScores, TokenAccuracy, match_sequences, reo
 from datamodules.registry import materialize
 from datamodules.training_stream import NEGATIVES, step_generator
 from exact.span_evidence import EvidenceOptions, SpanEvidence
+from lti.decoding import DECODINGS, decode
 from lti.evidence_prior import EvidencePrior
 from lti.inverters import EmbeddingInverter, Inverter
 from lti.loss import InverterLoss
@@ -155,6 +156,7 @@ class InversionModule(LearnedInversionModule):
         warmup_steps: int = 0,
         negatives: int | None = None,
         evidence: EvidenceOptions = EvidenceOptions(),
+        decoding: Literal["argmax", "distinct"] = "argmax",
     ) -> None:
         """
         Args:
@@ -170,11 +172,15 @@ class InversionModule(LearnedInversionModule):
             evidence: The hybrid attack: DAGER's first-layer span test, computed by the server from each
                 defended update, scores every token at every position; a learned function of the scores
                 is added to the inverter's logits (`enabled: true`; exact/span_evidence.py).
+            decoding: How logits become tokens in evaluation: `argmax` per position and sequence slot, or
+                `distinct` (the m slots of a position take m different tokens; lti/decoding.py).
         """
         super().__init__()
         self.inverter = self._init_training(inverter, lr, scheduler)
         self.loss = InverterLoss(negatives)
-        self.evidence_options = evidence
+        if decoding not in DECODINGS:
+            raise ValueError(f"decoding {decoding!r} is not allowed; use one of {', '.join(DECODINGS)}")
+        self.evidence_options, self.decoding = evidence, decoding
         self.evidence_prior = EvidencePrior() if evidence.enabled else None
         self.span_evidence: SpanEvidence | None = None  # built in setup, from the DataModule's target
         # One metric object per stage (e.g. `val_token_acc`), so stages never share state.
@@ -217,16 +223,22 @@ class InversionModule(LearnedInversionModule):
         return self.inverter(features)
 
     def _evidence_bonus(self, batch: dict):
-        """token ids (None: all) -> the (U, m*L, len) logit bonus of the batch's span evidence; None without evidence."""
+        """(token ids or None: all, indices of the uniform draws among them) -> the (U, m*L, len) logit bonus
+        of the batch's span evidence; None without evidence."""
         if self.evidence_prior is None:
             return None
         if "update" not in batch:
             raise ValueError("model.evidence needs the defended update in every batch; it was not kept "
                              "(computed on the fly with data.cache.path null and data.keep_eval_updates true)")
-        with torch.no_grad():
-            scores = self.span_evidence(self.data.pipeline.split(batch["update"])).to(batch["features"].dtype)
-        sequences = self.data.samples_per_update
-        return lambda tokens: self.evidence_prior(scores if tokens is None else scores[..., tokens], sequences)
+        update = self.data.pipeline.split(batch["update"])
+        sequences, dtype = self.data.samples_per_update, batch["features"].dtype
+
+        def bonus(tokens: Tensor | None, reference: Tensor | None) -> Tensor:
+            with torch.no_grad():
+                scores = self.span_evidence(update, tokens, reference).to(dtype)
+            return self.evidence_prior(scores, sequences)
+
+        return bonus
 
     def _step(self, batch: dict, stage: str) -> Tensor:
         features = batch["features"]  # (U, k): the attack sees only the hashed update
@@ -245,7 +257,7 @@ class InversionModule(LearnedInversionModule):
         self.log(f"{stage}/loss", loss, prog_bar=True, sync_dist=stage != "train", batch_size=updates)
         if logits is None:  # sampled softmax: no full scores, so no training accuracy
             return loss
-        preds = logits.argmax(dim=-1)
+        preds = decode(logits, sequences, self.decoding if stage != "train" else "argmax")
         if sequences > 1:  # score the m predicted sequences against the true ones they match (no order)
             shape = (updates, sequences, -1)
             order = match_sequences(preds.view(shape), targets.view(shape), mask.view(shape))
@@ -274,7 +286,7 @@ class InversionModule(LearnedInversionModule):
     def predict_step(self, batch: dict, batch_idx: int) -> list[dict]:
         logits = self(batch["features"])
         bonus = self._evidence_bonus(batch)
-        preds = (logits if bonus is None else logits + bonus(None)).argmax(dim=-1)
+        preds = decode(logits if bonus is None else logits + bonus(None, None), self.data.samples_per_update, self.decoding)
         texts = self.data.decode(preds)
         return [{"index": int(i), "reconstruction": t} for i, t in zip(batch["index"], texts)]
 

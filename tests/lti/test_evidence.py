@@ -28,6 +28,10 @@ def test_fit_with_evidence_learns_its_weights_and_evaluates_with_them(make_confi
     main(["test", "--config", str(config), "--ckpt_path", str(tmp_path / "ckpt" / "last.ckpt")])
     metrics = json.loads((tmp_path / "run" / "test_metrics.json").read_text())["metrics"]
     assert 0.0 <= metrics["test/lti/token_acc"] <= 1.0
+    main(["validate", "--config", str(config), "--ckpt_path", str(tmp_path / "ckpt" / "last.ckpt"),
+          "--model.decoding", "distinct"])
+    result = json.loads((tmp_path / "run" / "val_metrics.json").read_text())
+    assert 0.0 <= result["metrics"]["val/lti/token_acc"] <= 1.0
 
 
 def test_evaluation_logits_include_the_evidence_bonus(corpus_files):
@@ -44,10 +48,15 @@ def test_evaluation_logits_include_the_evidence_bonus(corpus_files):
     with torch.no_grad():
         module.evidence_prior.slope.fill_(2.0)
     batch = dm.on_after_batch_transfer(next(iter(dm.val_dataloader())), 0)
-    bonus = module._evidence_bonus(batch)(None)  # (U, m*L, V)
+    bonus = module._evidence_bonus(batch)(None, None)  # (U, m*L, V)
     scores = module.span_evidence(dm.pipeline.split(batch["update"]))
     assert scores.abs().max() > 1.0
     assert torch.allclose(bonus[:, :4], 2.0 * scores) and torch.allclose(bonus[:, 4:], 2.0 * scores)
+    # A sampled-softmax step scores only its candidates, against the mean of the uniformly drawn ones.
+    candidates, reference = torch.tensor([3, 17, 40, 41, 90]), torch.tensor([0, 2, 4])
+    sampled = module._evidence_bonus(batch)(candidates, reference)
+    shifted = scores[..., candidates] - scores[..., candidates][..., reference].mean(-1, keepdim=True)
+    assert torch.allclose(sampled[:, :4], 2.0 * shifted, atol=1e-4)
 
 
 def test_evidence_with_an_observation_cache_is_refused_in_one_line(make_config, tmp_path):
