@@ -7,7 +7,9 @@ transformer3 (dropout 0, FedSGD, train mode), the server's scores (`exact.span_e
 (position, token): its rank among the V tokens at that position (0: the top). Prints the share of true
 tokens ranked among the top m of their position (where a perfect test puts all of them; m tokens can
 share a position), the share within the top 100, and the median rank. No learning is involved: this is
-the evidence the hybrid inverter starts from.
+the evidence the hybrid inverter starts from. The last column is an attack without learning: each
+position's m slots take the m distinct best-scoring tokens (`lti.decoding.distinct_slots`), in an
+arbitrary slot order, scored like every attack here (sequences matched to the true ones).
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ import time
 import torch
 
 from datamodules.federated import FedSGDClient, GaussianNoise, NoDefense, Sign, TopKPruning, UpdatePipeline
+from datamodules.metrics import match_sequences, reorder_sequences, token_accuracy
 from datamodules.targets import Transformer3
 from datamodules.text import LocalCorpus, load_tokenizer, pack_blocks, tokenize_splits
 from exact.span_evidence import EvidenceOptions, SpanEvidence
+from lti.decoding import distinct_slots
 
 DEFENSES = {"none": NoDefense, "sign": Sign, "prune": lambda: TopKPruning(fraction_removed=0.99),
             "gauss": lambda: GaussianNoise(sigma=0.01)}
@@ -39,8 +43,8 @@ def main() -> None:
     tokenizer = load_tokenizer("embedded-gpt2")
     corpus = LocalCorpus([args.evaluation_file], [args.evaluation_file])
     blocks = pack_blocks(tokenize_splits(corpus.load(), tokenizer)["evaluation"], 16)
-    print("| m | defense | true tokens in top m % | in top 100 % | median rank | s/update |")
-    print("|---|---|---|---|---|---|")
+    print("| m | defense | true tokens in top m % | in top 100 % | median rank | evidence-only token acc % | s/update |")
+    print("|---|---|---|---|---|---|---|")
     for m in args.m:
         ids = blocks[: args.updates * m].view(args.updates, m, 16).to(args.device)
         for name in args.defenses:
@@ -54,8 +58,14 @@ def main() -> None:
             seconds = (time.perf_counter() - start) / args.updates
             true = scores.gather(2, ids.transpose(1, 2))  # (U, L, m)
             rank = (scores.unsqueeze(-1) > true.unsqueeze(2)).sum(2)  # (U, L, m): tokens scoring above each
+            slots = scores.unsqueeze(1).expand(-1, m, -1, -1).reshape(args.updates, m * 16, -1)
+            preds = distinct_slots(slots, m).view(args.updates, m, 16)
+            mask = torch.ones_like(ids)
+            order = match_sequences(preds, ids, mask)
+            (matched,) = reorder_sequences(order, ids.reshape(args.updates, -1))
+            accuracy = token_accuracy(preds.reshape(args.updates, -1), matched).mean()
             print(f"| {m} | {name} | {100 * (rank < m).float().mean():.1f} | {100 * (rank < 100).float().mean():.1f} "
-                  f"| {int(rank.float().median())} | {seconds:.2f} |", flush=True)
+                  f"| {int(rank.float().median())} | {100 * accuracy:.1f} | {seconds:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -27,11 +27,14 @@ PACKAGES = ("datamodules", "exact", "lti")
 LAYERS = {
     "datamodules": 0,  # targets, client simulation, defenses, hashing, data, shared metrics
     "exact": 1,  # exact attacks (DAGER, SPEAR) and their callbacks
-    "lti.inverters": 1, "lti.loss": 1, "lti.module": 1, "lti.vision_module": 1,  # the learned attack
-    "lti": 2,  # the workbench: CLI, grids, results writer
+    # The learned attack, above the exact ones: the hybrid reads their server-side computations
+    # (exact.span_evidence); an exact attack never reads the learned one.
+    "lti.inverters": 2, "lti.loss": 2, "lti.module": 2, "lti.vision_module": 2, "lti.decoding": 2,
+    "lti.evidence_prior": 2,
+    "lti": 3,  # the workbench: CLI, grids, results writer
 }
-#: The two attacks stand side by side: neither imports the other.
-SIDE_BY_SIDE = (("exact", ("lti.inverters", "lti.loss", "lti.module", "lti.vision_module")),)
+#: Modules that stand side by side: neither imports the other (none at present).
+SIDE_BY_SIDE: tuple = ()
 
 #: The Lightning wrappers: the only modules that may import lightning.
 LIGHTNING_WRAPPERS = {
