@@ -30,7 +30,7 @@ DEFENSES = {"none": NoDefense, "sign": Sign, "prune": lambda: TopKPruning(fracti
             "gauss": lambda: GaussianNoise(sigma=0.01)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--evaluation-file", required=True, help="held-out text (e.g. WikiText-2 valid.txt)")
     parser.add_argument("--updates", type=int, default=16)
@@ -38,7 +38,7 @@ def main() -> None:
     parser.add_argument("--defenses", nargs="+", default=list(DEFENSES), choices=list(DEFENSES))
     parser.add_argument("--max-span-fraction", type=float, default=EvidenceOptions().max_span_fraction)
     parser.add_argument("--device", default="cpu")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     tokenizer = load_tokenizer("embedded-gpt2")
     corpus = LocalCorpus([args.evaluation_file], [args.evaluation_file])

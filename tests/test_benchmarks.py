@@ -270,3 +270,13 @@ def test_gpt2_fedavg_dager_diagnostics_on_a_fedsgd_like_client():
     assert out["layer1"]["protocol"]["global_max"] < 1e-6 < out["layer1"]["protocol"]["vocab_median"]
     assert max(out["layer2"]["protocol"]["global"]) < 1e-6
     assert out["attack"]["exact_sequences"] == 2
+
+
+def test_span_evidence_ranks_finds_every_token_of_an_undefended_one_sequence_update(corpus_files, capsys):
+    """benchmarks/span_evidence_ranks.py: with one sequence and no defense DAGER's first-layer test is
+    exact, so every true token is its position's top token and the evidence alone recovers the text."""
+    module = load_benchmark("span_evidence_ranks")
+    module.main(["--evaluation-file", str(corpus_files["evaluation"]), "--updates", "1", "--m", "1", "--defenses", "none"])
+    (row,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1 | none")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[2] == "100.0" and cells[4] == "0" and cells[5] == "100.0"
