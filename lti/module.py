@@ -27,6 +27,8 @@ from lti.inverters import EmbeddingInverter, Inverter
 from lti.loss import InverterLoss
 
 STAGES = ("train", "val", "test")
+#: Module arguments that change how an evaluation reads the logits, not what was trained.
+EVALUATION_ONLY = ("decoding",)
 
 #: Sizes of the inversion problem that fix an inverter's shapes: (what it is, how to match it).
 PROBLEM_SIZES = {
@@ -60,7 +62,9 @@ class LearnedInversionModule(LightningModule):
         if scheduler not in SCHEDULES:
             raise ValueError(f"scheduler {scheduler!r} is not allowed; use one of {', '.join(map(repr, SCHEDULES))}")
         # The subclass's __init__ frame holds every init argument (not just the three checked here).
-        self.save_hyperparameters(ignore=["inverter"], frame=inspect.currentframe().f_back)
+        # Evaluation-only choices are not saved: Lightning's CLI puts a checkpoint's hyperparameters over
+        # the command line's, so a saved `decoding` would silently replace `--model.decoding` on test.
+        self.save_hyperparameters(ignore=["inverter", *EVALUATION_ONLY], frame=inspect.currentframe().f_back)
         self.run_notes: list[str] = []  # said once per run (e.g. an exact attack that cannot be exact); in results files
         return materialize(inverter)
 

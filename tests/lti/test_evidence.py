@@ -13,13 +13,14 @@ from datamodules.text import LocalCorpus
 from datamodules.text_inversion import TextInversionDataModule
 from exact.span_evidence import EvidenceOptions
 from lti.cli import main
+from lti.decoding import decode
 from lti.module import InversionModule
 
 TWO_LAYERS = {"data.target.init_args.num_layers": 2}  # the span evidence is read where DAGER reads it
 M2 = {"class_path": "datamodules.federated.FedSGDClient", "init_args": {"mode": "train", "samples_per_update": 2}}
 
 
-def test_fit_with_evidence_learns_its_weights_and_evaluates_with_them(make_config, tmp_path):
+def test_fit_with_evidence_learns_its_weights_and_evaluates_with_them(make_config, tmp_path, monkeypatch):
     config = make_config(**{"model.evidence": {"enabled": True}, "data.client": M2, "data.grouping": "fresh",
                             "trainer.max_steps": 6, "trainer.val_check_interval": 6, "model.lr": 0.05, **TWO_LAYERS})
     main(["fit", "--config", str(config)])
@@ -28,8 +29,11 @@ def test_fit_with_evidence_learns_its_weights_and_evaluates_with_them(make_confi
     main(["test", "--config", str(config), "--ckpt_path", str(tmp_path / "ckpt" / "last.ckpt")])
     metrics = json.loads((tmp_path / "run" / "test_metrics.json").read_text())["metrics"]
     assert 0.0 <= metrics["test/lti/token_acc"] <= 1.0
+    rules = []
+    monkeypatch.setattr("lti.module.decode", lambda logits, m, rule: rules.append(rule) or decode(logits, m, rule))
     main(["validate", "--config", str(config), "--ckpt_path", str(tmp_path / "ckpt" / "last.ckpt"),
           "--model.decoding", "distinct"])
+    assert rules and set(rules) == {"distinct"}  # the command line's choice, not the checkpoint's
     result = json.loads((tmp_path / "run" / "val_metrics.json").read_text())
     assert 0.0 <= result["metrics"]["val/lti/token_acc"] <= 1.0
 
