@@ -36,6 +36,7 @@ from lti.console import describe_checkpoints, quiet_known_noise, quiet_wandb, us
 from lti.curves import LearningCurve
 from lti.exact_only import ExactAttacksOnly
 from lti.final_validation import ValidateAtLastStep
+from lti.module import EVALUATION_ONLY
 from lti.results import ResultsWriter
 
 # `model` and `data` take any LightningModule / LightningDataModule by `class_path` (subclass mode);
@@ -150,10 +151,24 @@ class LTICLI(LightningCLI):
         if not path or path in RESUME_KEYWORDS:
             return super()._parse_ckpt_path()  # none, or a keyword Lightning resolves ("last")
         check_checkpoint(path)
+        # The checkpoint's hyperparameters go over the command line's; evaluation-only choices (decoding)
+        # stay the command line's, also for checkpoints written before they were left out of them.
+        chosen = {key: value for key in EVALUATION_ONLY if (value := self._model_option(subcommand, key)) is not None}
         try:
             super()._parse_ckpt_path()
         except LOAD_ERRORS as error:
             raise damaged(path, error) from None
+        for key, value in chosen.items():
+            self._model_arguments(subcommand)[key] = value
+
+    def _model_arguments(self, subcommand: str):
+        """The model's arguments in the parsed config (`model.init_args` in subclass mode)."""
+        model = self.config[subcommand].get("model")
+        return model.get("init_args", model) if model is not None else None
+
+    def _model_option(self, subcommand: str, key: str):
+        arguments = self._model_arguments(subcommand)
+        return arguments.get(key) if arguments is not None else None
 
     def instantiate_trainer(self, **kwargs):
         trainer = super().instantiate_trainer(**kwargs)

@@ -69,3 +69,17 @@ def test_evidence_with_an_observation_cache_is_refused_in_one_line(make_config, 
         main(["fit", "--config", str(config)])
     assert exit_info.value.code == 2
     assert not (tmp_path / "cache").exists()
+
+
+def test_a_checkpoint_that_saved_its_decoding_does_not_override_the_command_line(make_config, tmp_path, monkeypatch):
+    config = make_config(**{"data.client": M2, "trainer.max_steps": 2, "trainer.val_check_interval": 2})
+    main(["fit", "--config", str(config)])
+    path = tmp_path / "ckpt" / "last.ckpt"
+    state = torch.load(path, weights_only=True)
+    state["hyper_parameters"]["decoding"] = "argmax"  # as checkpoints written before it was left out
+    old = tmp_path / "old.ckpt"
+    torch.save(state, old)
+    rules = []
+    monkeypatch.setattr("lti.module.decode", lambda logits, m, rule: rules.append(rule) or decode(logits, m, rule))
+    main(["validate", "--config", str(config), "--ckpt_path", str(old), "--model.decoding", "distinct"])
+    assert rules and set(rules) == {"distinct"}
