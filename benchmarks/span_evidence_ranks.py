@@ -1,8 +1,8 @@
 """How much the span evidence alone says about an update's tokens, per sequences per update m and defense.
 
-    python -m benchmarks.span_evidence_ranks --evaluation-file ../shared/data/wikitext-2/valid.txt --updates 16
+    python -m benchmarks.span_evidence_ranks --evaluation-file ../shared/data/wikitext-2/valid.txt
 
-For each m and defense, the first `--updates` evaluation updates of m 16-token WikiText blocks against
+For each m and defense, the first 1,000 (`--blocks`) 16-token WikiText blocks grouped into updates of m, against
 transformer3 (dropout 0, FedSGD, train mode), the server's scores (`exact.span_evidence`), and per true
 (position, token): its rank among the V tokens at that position (0: the top). Prints the share of true
 tokens ranked among the top m of their position (where a perfect test puts all of them; m tokens can
@@ -33,7 +33,9 @@ DEFENSES = {"none": NoDefense, "sign": Sign, "prune": lambda: TopKPruning(fracti
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--evaluation-file", required=True, help="held-out text (e.g. WikiText-2 valid.txt)")
-    parser.add_argument("--updates", type=int, default=16)
+    parser.add_argument("--updates", type=int, default=None, help="updates per m (default: --blocks / m)")
+    parser.add_argument("--blocks", type=int, default=1000, help="the first this many blocks, grouped into updates of m")
+    parser.add_argument("--chunk", type=int, default=32, help="updates scored at a time")
     parser.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--defenses", nargs="+", default=list(DEFENSES), choices=list(DEFENSES))
     parser.add_argument("--max-span-fraction", type=float, default=EvidenceOptions().max_span_fraction)
@@ -43,30 +45,33 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = load_tokenizer("embedded-gpt2")
     corpus = LocalCorpus([args.evaluation_file], [args.evaluation_file])
     blocks = pack_blocks(tokenize_splits(corpus.load(), tokenizer)["evaluation"], 16)
-    print("| m | defense | true tokens in top m % | in top 100 % | median rank | evidence-only token acc % | s/update |")
-    print("|---|---|---|---|---|---|---|")
+    print("| m | defense | updates | true tokens in top m % | in top 100 % | median rank | evidence-only token acc % | s/update |")
+    print("|---|---|---|---|---|---|---|---|")
     for m in args.m:
-        ids = blocks[: args.updates * m].view(args.updates, m, 16).to(args.device)
+        updates = args.updates if args.updates else args.blocks // m
+        ids_all = blocks[: updates * m].view(updates, m, 16).to(args.device)
         for name in args.defenses:
             target = Transformer3(dropout=0.0).to(args.device)
             pipeline = UpdatePipeline(target, FedSGDClient(mode="train", samples_per_update=m), DEFENSES[name]())
             evidence = SpanEvidence(pipeline.target, list(pipeline.names), m * 16, 16,
                                     EvidenceOptions(max_span_fraction=args.max_span_fraction))
             torch.manual_seed(0)
-            start = time.perf_counter()
-            scores = evidence(pipeline.split(pipeline({"input_ids": ids}, keep_update=True).update))  # (U, L, V)
-            seconds = (time.perf_counter() - start) / args.updates
-            true = scores.gather(2, ids.transpose(1, 2))  # (U, L, m)
-            rank = (scores.unsqueeze(-1) > true.unsqueeze(2)).sum(2)  # (U, L, m): tokens scoring above each
-            slots = scores.unsqueeze(1).expand(-1, m, -1, -1).reshape(args.updates, m * 16, -1)
-            preds = distinct_slots(slots, m).view(args.updates, m, 16)
-            mask = torch.ones_like(ids)
-            order = match_sequences(preds, ids, mask)
-            (matched,) = reorder_sequences(order, ids.reshape(args.updates, -1))
-            accuracy = token_accuracy(preds.reshape(args.updates, -1), matched).mean()
-            print(f"| {m} | {name} | {100 * (rank < m).float().mean():.1f} | {100 * (rank < 100).float().mean():.1f} "
-                  f"| {int(rank.float().median())} | {100 * accuracy:.1f} | {seconds:.2f} |", flush=True)
-
+            ranks, correct, start = [], [], time.perf_counter()
+            for first in range(0, updates, args.chunk):  # chunks bound the (U, L, V) score tensors' memory
+                ids = ids_all[first : first + args.chunk]
+                count = ids.shape[0]
+                scores = evidence(pipeline.split(pipeline({"input_ids": ids}, keep_update=True).update))  # (U, L, V)
+                true = scores.gather(2, ids.transpose(1, 2))  # (U, L, m)
+                ranks.append((scores.unsqueeze(-1) > true.unsqueeze(2)).sum(2).flatten())  # tokens scoring above each
+                slots = scores.unsqueeze(1).expand(-1, m, -1, -1).reshape(count, m * 16, -1)
+                preds = distinct_slots(slots, m).view(count, m, 16)
+                order = match_sequences(preds, ids, torch.ones_like(ids))
+                (matched,) = reorder_sequences(order, ids.reshape(count, -1))
+                correct.append(token_accuracy(preds.reshape(count, -1), matched))
+            seconds = (time.perf_counter() - start) / updates
+            rank, accuracy = torch.cat(ranks).float(), torch.cat(correct).mean()
+            print(f"| {m} | {name} | {updates} | {100 * (rank < m).float().mean():.1f} | {100 * (rank < 100).float().mean():.1f} "
+                  f"| {int(rank.median())} | {100 * accuracy:.1f} | {seconds:.2f} |", flush=True)
 
 if __name__ == "__main__":
     main()

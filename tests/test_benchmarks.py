@@ -279,4 +279,4 @@ def test_span_evidence_ranks_finds_every_token_of_an_undefended_one_sequence_upd
     module.main(["--evaluation-file", str(corpus_files["evaluation"]), "--updates", "1", "--m", "1", "--defenses", "none"])
     (row,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1 | none")]
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[2] == "100.0" and cells[4] == "0" and cells[5] == "100.0"
+    assert cells[2] == "1" and cells[3] == "100.0" and cells[5] == "0" and cells[6] == "100.0"
