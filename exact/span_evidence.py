@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from exact.dager.span import SpanBasis, token_distances
+from exact.dager.span import SpanBasis, numerical_ranks, token_distances
 from exact.layers import find_layers
 from exact.option_group import OptionGroup
 
@@ -95,13 +95,12 @@ class SpanEvidence(nn.Module):
         values, vectors = torch.linalg.eigh((g @ g.transpose(1, 2)).cpu())
         s = values.flip(-1).clamp_min(0).sqrt()  # descending singular values
         left = vectors.flip(-1).to(spaces.device)
-        top = s[:, :1]
-        numerical = torch.where(top[:, 0] > 0, (s > self.options.rank_tol * top).sum(1), 0).tolist()
+        numerical = numerical_ranks(s, self.options.rank_tol).tolist()
         return [SpanBasis(left[u], s[u], numerical[u], min(numerical[u], self.max_rank)) for u in range(count)]
 
     def distances(self, update: dict[str, Tensor], tokens: Tensor | None = None, chunk: int = 8) -> Tensor:
-        """(U, L, V) distance of every token (or of the token ids `tokens`: (U, L, len)) at every position
-        to each update's capped span, float32.
+        """(U, L, V) distance of every token (or (U, L, C) of the token ids `tokens`, (C,)) at every
+        position to each update's capped span, float32.
 
         Without a normalisation before the first attention (post-LN models such as transformer3) the
         input is y = s E[t] + c_p and ||N^T y||^2 expands into a per-token part (a (V, d) x (d, d)

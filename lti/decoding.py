@@ -39,8 +39,13 @@ def distinct_slots(logits: Tensor, sequences: int) -> Tensor:
     return torch.from_numpy(out).to(logits.device).permute(0, 2, 1).reshape(updates, positions)
 
 
-def decode(logits: Tensor, sequences: int, rule: str = "argmax") -> Tensor:
-    """(U, m*L, V) logits -> (U, m*L) token ids by `rule` (`argmax`: each slot alone; `distinct`)."""
+def check_rule(rule: str) -> None:
+    """One line for a decoding rule that does not exist."""
     if rule not in DECODINGS:
         raise ValueError(f"decoding {rule!r} is not allowed; use one of {', '.join(DECODINGS)}")
+
+
+def decode(logits: Tensor, sequences: int, rule: str = "argmax") -> Tensor:
+    """(U, m*L, V) logits -> (U, m*L) token ids by `rule` (`argmax`: each slot alone; `distinct`)."""
+    check_rule(rule)
     return logits.argmax(-1) if rule == "argmax" else distinct_slots(logits, sequences)

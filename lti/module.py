@@ -21,7 +21,7 @@ from datamodules.metrics import RougeScores, TokenAccuracy, match_sequences, reo
 from datamodules.registry import materialize
 from datamodules.training_stream import NEGATIVES, step_generator
 from exact.span_evidence import EvidenceOptions, SpanEvidence
-from lti.decoding import DECODINGS, decode
+from lti.decoding import check_rule, decode
 from lti.evidence_prior import EvidencePrior
 from lti.inverters import EmbeddingInverter, Inverter
 from lti.loss import InverterLoss
@@ -182,8 +182,7 @@ class InversionModule(LearnedInversionModule):
         super().__init__()
         self.inverter = self._init_training(inverter, lr, scheduler)
         self.loss = InverterLoss(negatives)
-        if decoding not in DECODINGS:
-            raise ValueError(f"decoding {decoding!r} is not allowed; use one of {', '.join(DECODINGS)}")
+        check_rule(decoding)
         self.evidence_options, self.decoding = evidence, decoding
         self.evidence_prior = EvidencePrior() if evidence.enabled else None
         self.span_evidence: SpanEvidence | None = None  # built in setup, from the DataModule's target

@@ -153,7 +153,8 @@ class LTICLI(LightningCLI):
         check_checkpoint(path)
         # The checkpoint's hyperparameters go over the command line's; evaluation-only choices (decoding)
         # stay the command line's, also for checkpoints written before they were left out of them.
-        chosen = {key: value for key in EVALUATION_ONLY if (value := self._model_option(subcommand, key)) is not None}
+        given = self._model_arguments(subcommand)
+        chosen = {key: given[key] for key in EVALUATION_ONLY if given is not None and key in given}
         try:
             super()._parse_ckpt_path()
         except LOAD_ERRORS as error:
@@ -165,10 +166,6 @@ class LTICLI(LightningCLI):
         """The model's arguments in the parsed config (`model.init_args` in subclass mode)."""
         model = self.config[subcommand].get("model")
         return model.get("init_args", model) if model is not None else None
-
-    def _model_option(self, subcommand: str, key: str):
-        arguments = self._model_arguments(subcommand)
-        return arguments.get(key) if arguments is not None else None
 
     def instantiate_trainer(self, **kwargs):
         trainer = super().instantiate_trainer(**kwargs)

@@ -62,6 +62,15 @@ class SpanBasis:
         return (v @ self.complement).norm(dim=-1) / norm.clamp_min(_TINY)
 
 
+def numerical_ranks(singular_values: Tensor, rank_tol: float) -> Tensor:
+    """Numerical rank of each row of descending singular values (..., k): how many are above `rank_tol`
+    times the row's largest (0 for a zero row or no values)."""
+    if singular_values.shape[-1] == 0:
+        return torch.zeros(singular_values.shape[:-1], dtype=torch.long, device=singular_values.device)
+    top = singular_values[..., :1]
+    return torch.where(top[..., 0] > 0, (singular_values > rank_tol * top).sum(-1), 0)
+
+
 def span_basis(
     gradient: Tensor, rank_tol: float = 1e-6, max_rank: int | None = None, dtype: torch.dtype = torch.float64
 ) -> SpanBasis:
@@ -75,8 +84,7 @@ def span_basis(
         # Wide (e.g. fused QKV): g = R^T Q^T with orthonormal Q, so g and R^T share U and S (2-3x faster).
         g = torch.linalg.qr(g.T, mode="r").R.T
     u, s, _ = torch.linalg.svd(g, full_matrices=True)
-    top = float(s[0]) if s.numel() else 0.0
-    numerical = int((s > rank_tol * top).sum()) if top > 0 else 0
+    numerical = int(numerical_ranks(s, rank_tol))
     rank = numerical if max_rank is None else min(numerical, max_rank)
     return SpanBasis(u, s, numerical, min(rank, g.shape[0]))
 
