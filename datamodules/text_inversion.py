@@ -96,6 +96,7 @@ class TextInversionDataModule(InversionDataModule):
         # baseline stay on the real auxiliary text.
         self.train_split = "pseudo_pool" if training_data == "pseudo_pool" else "auxiliary"
         self._counts: Tensor | None = None
+        self._blocks: dict[str, tuple[Tensor, Tensor]] = {}
         self.majority_tokens: Tensor | None = None  # per-position majority token of the auxiliary data (setup)
 
     # ---------------------------------------------------------------- data preparation
@@ -119,6 +120,7 @@ class TextInversionDataModule(InversionDataModule):
         eval_ids, eval_mask = self._samples(tokenized["evaluation"])
         if aux_ids.shape[0] == 0 or eval_ids.shape[0] == 0:
             raise ValueError(f"the corpus yields no sample of {self.seq_len} tokens in one of its splits")
+        self._blocks = {"auxiliary": (aux_ids, aux_mask), "evaluation": (eval_ids, eval_mask)}
         self._splits = {
             "auxiliary": self._as_updates(self.train_samples, True, input_ids=aux_ids, attention_mask=aux_mask),
             "evaluation": self._as_updates(self.eval_samples, False, input_ids=eval_ids, attention_mask=eval_mask),
@@ -138,6 +140,15 @@ class TextInversionDataModule(InversionDataModule):
         self.majority_tokens = torch.stack(
             [torch.bincount(flat[:, p], minlength=vocab).argmax() for p in range(flat.shape[1])]
         )
+
+    def blocks(self, split: str) -> tuple[Tensor, Tensor]:
+        """Every sample of a split in corpus order, before any subsampling: (N, L) token ids and mask.
+        The split's documents lie in consecutive samples (packing keeps the corpus order)."""
+        if not self._blocks:
+            raise RuntimeError("call setup() before asking for a split's samples")
+        if split not in self._blocks:
+            raise ValueError(f"no split {split!r}; the splits are {', '.join(self._blocks)}")
+        return self._blocks[split]
 
     @property
     def inversion_spec(self) -> InversionSpec:

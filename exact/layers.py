@@ -89,9 +89,11 @@ class ProjectionRef:
         A LoRA client sends adapter updates only: for a projection W + B A, dL/dA = B^T dL/dW (up to
         the LoRA scale) has its rows in the span of the layer inputs too, so lora_A's gradient stands
         in for the weight's (DAGER's LoRA setting; it spans all the inputs only when the rank r is at
-        least the number of tokens). A fused projection's blocks share one adapter, used once.
+        least the number of tokens). A fused projection's blocks share one adapter, used once. LoRA often
+        adapts only some projections (q and v, as FlowerTune does): then the key or value block without an
+        adapter is left out, and the span is read from the adapters there are (the query's is required).
         """
-        parts, adapters = [], set()
+        parts, adapters, missing = [], set(), []
         for block in self.blocks(which):
             grad = update.get(block.param_name)
             if grad is not None:
@@ -99,10 +101,13 @@ class ProjectionRef:
                 continue
             adapter = lora_a_name(block.param_name)
             if adapter is None or adapter not in update:
-                return None
+                missing.append(block)
+                continue
             if adapter not in adapters:
                 adapters.add(adapter)
                 parts.append(update[adapter].transpose(0, 1))  # lora_A: (r, d_in)
+        if missing and (not adapters or self.query in missing):
+            return None
         return torch.cat(parts, dim=1)
 
     def names(self, which: str = "qkv") -> list[str]:

@@ -1,7 +1,7 @@
 """`lti SUBCOMMAND ...`: the workbench's command line, a table of subcommands.
 
 `fit`, `validate`, `test` and `predict` are Lightning CLI entry points (`lti.trainer_cli`); `matrix`
-runs a grid of them (`lti.matrix`). This module sits on top: it imports both, and neither imports it.
+runs a grid of them (`lti.matrix`); `audit` a Flower federation with its attacks (`lti.audit`). This module sits on top: it imports both, and neither imports it.
 """
 
 from __future__ import annotations
@@ -43,9 +43,16 @@ def _matrix(argv: list[str]) -> None:
     matrix_main(argv[1:])
 
 
+def _audit(argv: list[str]) -> None:
+    from lti.audit.cli import main as audit_main
+
+    audit_main(argv[1:])
+
+
 #: subcommand -> handler of the whole argument list (the subcommand included).
 SUBCOMMANDS: dict[str, Callable[[list[str]], None]] = {
     "fit": _trainer, "validate": _trainer, "test": _trainer, "predict": _trainer, "matrix": _matrix,
+    "audit": _audit,
 }
 
 

@@ -507,3 +507,15 @@ def run(args: list[str] | None = None) -> None:
             else:
                 os.environ[variable] = value
 
+
+
+def instantiate(config: str, overrides: list[str] | None = None) -> tuple[LightningModule, LightningDataModule]:
+    """The model and DataModule an `lti fit --config CONFIG` would build, without a trainer run (for the
+    commands on top: `lti audit` reads its threat model from such a config). Nothing is written."""
+    quiet_known_noise()
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within Python")
+    args = ["--config", config, *(overrides or []), "--trainer.logger", "false"]
+    cli = LTICLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
+                 trainer_defaults=trainer_defaults(), args=args, run=False, save_config_callback=None,
+                 parser_kwargs={"default_env": False, "exit_on_error": False})
+    return cli.model, cli.datamodule

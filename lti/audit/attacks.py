@@ -1,0 +1,142 @@
+"""The server's attacks on one round's client updates: DAGER and the learned inverter, scored alike.
+
+The server reads each client's update off the arrays Flower delivered: a client returned w - lr * u,
+so u = (w - returned) / lr at the round's global weights w (computed in float64; the float32 rounding
+of the returned weights stays in it, as it does for a real server). The attacks see only that update
+and the round's global model; the clients' true sequences are used for scoring alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from datamodules.federated import UpdatePipeline
+from datamodules.federated.hashing import HashSpec
+from datamodules.metrics import ROUGE_TYPES, score_batch
+from exact.dager import Dager
+from lti.audit.federation import load_adapter_state
+from lti.checkpoint_files import load_checked
+
+
+def observed_update(sent: dict[str, Tensor], returned: dict[str, Tensor], lr: float, names: list[str]) -> Tensor:
+    """(D,) the client's update u in the pipeline's order, from the arrays sent and the arrays returned."""
+    parts = [((sent[n].double() - returned[n].double()) / lr).flatten() for n in names]
+    return torch.cat(parts).to(torch.float32)
+
+
+@dataclass
+class Tally:
+    """Scores of one attack summed over updates; `row()` gives the means the report prints."""
+
+    sequences: int = 0
+    tokens: int = 0
+    correct: int = 0
+    exact: int = 0
+    rouge: dict[str, float] = field(default_factory=lambda: dict.fromkeys(ROUGE_TYPES, 0.0))
+    samples: list[dict] = field(default_factory=list)
+
+    def add(self, scores: dict, client: int, keep_sample: bool) -> None:
+        count = scores["count"]
+        self.sequences += count
+        self.tokens += scores["tokens"]
+        self.correct += scores["correct"]
+        self.exact += round(scores["exact_fraction"] * count)
+        for key in ROUGE_TYPES:
+            self.rouge[key] += scores[key] * count
+        if keep_sample:
+            for reconstruction, reference in scores["pairs"]:
+                self.samples.append({"client": client, "reference": reference, "reconstruction": reconstruction})
+
+    def row(self) -> dict:
+        n = max(1, self.sequences)
+        return {"token_acc": self.correct / max(1, self.tokens), "rouge1": self.rouge["rouge1"] / n,
+                "rouge2": self.rouge["rouge2"] / n, "exact_fraction": self.exact / n, "sequences": self.sequences}
+
+
+class LearnedInverter:
+    """An `lti fit` inverter checkpoint, bound to the threat model's DataModule and loaded read-only."""
+
+    def __init__(self, module: nn.Module, data, checkpoint: str) -> None:
+        saved = load_checked(checkpoint, lambda: torch.load(checkpoint, map_location="cpu", weights_only=True))
+        spec = saved.get("lti", {}).get("hash_spec")
+        if spec is None:
+            raise ValueError(f"{checkpoint} has no hash spec: it was not written by this workbench")
+        difference = data.pipeline.spec.difference(HashSpec.from_dict(spec))
+        if difference:
+            raise ValueError(f"{checkpoint} was trained under another threat model than the audit's: {difference}")
+        module.inverter.bind(data.inversion_spec)
+        module.load_state_dict(saved["state_dict"], strict=False)
+        self.module = module.eval()
+        self.sequences = data.samples_per_update
+        self.checkpoint = checkpoint
+        self.setting = saved.get("lti", {}).get("setting", {})
+
+    @torch.no_grad()
+    def predict(self, features: Tensor) -> Tensor:
+        """(U, k) hashed updates -> (U, m*L) token ids (argmax per slot)."""
+        return self.module(features.float()).argmax(-1)
+
+
+class RoundAttacks:
+    """Runs the chosen attacks on one round's updates with the server's pipeline at that round's weights."""
+
+    def __init__(self, pipeline: UpdatePipeline, decode: Callable[[list[int]], str], seq_len: int, lr: float,
+                 dager: bool, learned: LearnedInverter | None, samples: int) -> None:
+        self.pipeline, self.decode, self.seq_len, self.lr = pipeline, decode, seq_len, lr
+        self.dager = Dager() if dager else None
+        self.learned = learned
+        self.samples = samples
+
+    def attack(self, sent: dict[str, Tensor], replies: dict[int, dict[str, Tensor]], batches: dict[int, Tensor],
+               progress: Callable[[str], None] = lambda _: None) -> dict[str, dict]:
+        """{attack: scores} over the clients' updates of a round. `batches[c]`: (B, L) true ids of client c."""
+        load_adapter_state(self.pipeline, sent)
+        names = list(self.pipeline.names)
+        tallies: dict[str, Tally] = {}
+        seconds: dict[str, float] = {}
+        import time
+
+        for kept, client in enumerate(sorted(replies)):
+            update = observed_update(sent, replies[client], self.lr, names)
+            ids = batches[client]
+            keep = kept < self.samples
+            if self.dager is not None:
+                progress(f"DAGER, client {client}")
+                start = time.perf_counter()
+                split = {name: grads[0] for name, grads in self.pipeline.split(update[None]).items()}
+                result = self.dager.attack(self.pipeline.target, split, batch_size=ids.shape[0], max_length=self.seq_len)
+                seconds["dager"] = seconds.get("dager", 0.0) + time.perf_counter() - start
+                tallies.setdefault("dager", Tally()).add(
+                    score_batch(result.sequences, ids, None, self.decode, result.exact), client, keep)
+            if self.learned is not None and self.learned.sequences == ids.shape[0]:
+                progress(f"learned inverter, client {client}")
+                features = self.pipeline.hasher(update[None])
+                tokens = self.learned.predict(features)[0].view(ids.shape[0], -1).tolist()
+                tallies.setdefault("learned", Tally()).add(score_batch(tokens, ids, None, self.decode), client, keep)
+        out = {}
+        for name, tally in tallies.items():
+            out[name] = {**tally.row(), "samples": tally.samples}
+            if name in seconds:
+                out[name]["seconds_per_update"] = seconds[name] / max(1, len(replies))
+        return out
+
+    @torch.no_grad()
+    def probe(self, sent: dict[str, Tensor], ids: Tensor, chunk: int = 32) -> dict:
+        """The learned inverter on the updates the server simulates for `ids` (N, L) held-out sequences, one
+        per update, at this round's global weights: its accuracy there, i.e. how stale it is."""
+        if self.learned is None or self.learned.sequences != 1:
+            return {}
+        load_adapter_state(self.pipeline, sent)
+        tally = Tally()
+        for start in range(0, ids.shape[0], chunk):
+            batch = ids[start : start + chunk]
+            generator = torch.Generator().manual_seed(start)
+            features = self.pipeline({"input_ids": batch[:, None]}, generator=generator).features
+            predictions = self.learned.predict(features)
+            for row, truth in zip(predictions.tolist(), batch):
+                tally.add(score_batch([row], truth[None], None, self.decode), -1, False)
+        return tally.row()

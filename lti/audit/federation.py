@@ -1,0 +1,232 @@
+"""Federated LoRA fine-tuning in Flower, with every client update handed to the server's attacks.
+
+- `make_client_app`: a Flower `ClientApp` whose clients train with the workbench's client code (the
+  threat model's `UpdatePipeline`: peft LoRA adapters, FedSGD per-sample gradients of a batch of B
+  sequences, train-mode dropout, the workbench defense) and return their new adapter weights
+  w - lr * update, through Flower's DP mods when asked.
+- `ObservedFedAvg`: Flower's `FedAvg` (message API) that first hands every reply's arrays, exactly as
+  Flower delivered them, with the arrays it sent that round, to an observer; then aggregates as usual.
+- `SerialGrid`: a Flower `Grid` that runs the `ClientApp` of every node in this process, one message at
+  a time, each message and reply passing through Flower's wire format (protobuf) as on a network.
+  Flower's own simulation runtime needs Ray (its only backend); on a 2-core CPU with one model copy per
+  client process it only adds cost, so the audit drives the same `ClientApp` and strategy itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from uuid import uuid4
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.common.constant import SUPERLINK_NODE_ID
+from flwr.common.serde import message_from_proto, message_to_proto
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg
+from flwr.supercore.run import Run
+from flwr.supercore.task_identity import TaskIdentity
+
+from datamodules.federated import FedSGDClient, LoRAClient, UpdatePipeline
+
+#: The keys of the records a train message and its reply carry (Flower's FedAvg defaults).
+ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"
+#: Config keys the audit adds to Flower's own ("server-round"): the absolute round of a resumed audit.
+ROUND_OFFSET = "audit-round-offset"
+
+
+def client_pipeline(server_pipeline: UpdatePipeline, batch_size: int) -> UpdatePipeline:
+    """The clients' own copy of the threat model's pipeline (a separate model object), with B sequences
+    per update. Only LoRA clients with a FedSGD local computation are simulated: they return one step."""
+    client = server_pipeline.client
+    if not isinstance(client, LoRAClient):
+        raise ValueError(f"the audit federates LoRA fine-tuning; the threat model's client is {type(client).__name__} "
+                         "(use datamodules.federated.LoRAClient)")
+    if not isinstance(client.local, FedSGDClient):
+        raise ValueError(f"the audit's clients take one FedSGD step per round; the threat model's LoRA local "
+                         f"computation is {type(client.local).__name__} (use FedSGDClient)")
+    pipeline = copy.deepcopy(server_pipeline)
+    local = FedSGDClient(client.local.mode, batch_size, client.local.implementation)
+    lora = copy.copy(pipeline.client)
+    lora.local = local
+    return pipeline.with_client(lora)
+
+
+def adapter_state(pipeline: UpdatePipeline) -> dict[str, torch.Tensor]:
+    """The observed (adapter) weights of the pipeline's model, as float32 copies."""
+    params = dict(pipeline.target.named_parameters())
+    return {name: params[name].detach().to(torch.float32).clone() for name in pipeline.names}
+
+
+def load_adapter_state(pipeline: UpdatePipeline, state: dict[str, torch.Tensor]) -> None:
+    """Set the pipeline model's adapter weights (a round's global model) in place."""
+    params = dict(pipeline.target.named_parameters())
+    missing = [name for name in pipeline.names if name not in state]
+    if missing:
+        raise ValueError(f"the arrays lack adapter weight {missing[0]!r} of the threat model")
+    with torch.no_grad():
+        for name in pipeline.names:
+            value = torch.as_tensor(state[name])
+            if tuple(value.shape) != tuple(params[name].shape):
+                raise ValueError(f"adapter weight {name!r} has shape {tuple(value.shape)}, the model's is {tuple(params[name].shape)}")
+            params[name].copy_(value.to(params[name].dtype))
+
+
+#: (client index, absolute round) -> that client's batch of B sequences: {"input_ids": (1, B, L), ...}
+ClientData = Callable[[int, int], dict[str, torch.Tensor]]
+
+
+def make_client_app(pipeline: UpdatePipeline, data: ClientData, lr: float, mods: list | None = None,
+                    sent: Callable[[int, int, ArrayRecord], None] | None = None) -> ClientApp:
+    """A Flower `ClientApp`: on a train message, load the global adapters, compute the update of this
+    client's batch for the round with the workbench's pipeline, return w - lr * update.
+
+    `sent(client, round, arrays)`, when given, records what the client's own code returned (before Flower's
+    mods), for tests of what reaches the server.
+    """
+    app = ClientApp(mods=list(mods or []))
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        client = int(context.node_config["partition-id"])
+        config = msg.content[CONFIG]
+        absolute_round = int(config["server-round"]) + int(config.get(ROUND_OFFSET, 0))
+        global_state = msg.content[ARRAYS].to_torch_state_dict()
+        load_adapter_state(pipeline, global_state)
+        batch = data(client, absolute_round)
+        # The generator fixes the defense's random draws (noise) per client and round: reruns repeat them.
+        generator = torch.Generator().manual_seed(1_000_003 * absolute_round + client)
+        update = pipeline(batch, keep_update=True, generator=generator).update[0]
+        new_state = {}
+        for name, delta in pipeline.split(update[None]).items():
+            new_state[name] = (global_state[name].to(torch.float32) - lr * delta[0].to(torch.float32)).contiguous()
+        arrays = ArrayRecord(torch_state_dict=new_state)
+        if sent is not None:
+            sent(client, absolute_round, arrays)
+        sequences = int(batch["input_ids"].shape[1])
+        metrics = MetricRecord({"num-examples": sequences, "update-norm": float(update.norm())})
+        return Message(RecordDict({ARRAYS: arrays, METRICS: metrics}), reply_to=msg)
+
+    return app
+
+
+#: observer(round, client, global arrays sent, reply arrays as received)
+Observer = Callable[[int, int, ArrayRecord, ArrayRecord], None]
+
+
+class ObservedFedAvg(FedAvg):
+    """Flower's FedAvg, with every client reply shown to `observer` before it is aggregated.
+
+    The observer receives the `ArrayRecord` of each reply exactly as the grid delivered it (no copy, no
+    conversion) and the arrays this strategy sent in that round; `node_to_client` maps Flower node ids to
+    the audit's client indices. `round_offset` makes Flower's round numbers absolute in a resumed audit.
+    """
+
+    def __init__(self, observer: Observer, node_to_client: dict[int, int], round_offset: int = 0, **kwargs) -> None:
+        kwargs.setdefault("fraction_evaluate", 0.0)  # utility is measured on the server (evaluate_fn)
+        super().__init__(**kwargs)
+        self.observer = observer
+        self.node_to_client = dict(node_to_client)
+        self.round_offset = int(round_offset)
+        self._sent: dict[int, ArrayRecord] = {}
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+        self._sent[server_round] = arrays
+        config[ROUND_OFFSET] = self.round_offset
+        return super().configure_train(server_round, arrays, config, grid)
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]):
+        replies = list(replies)
+        sent = self._sent.pop(server_round)
+        for reply in sorted(replies, key=lambda m: self.node_to_client[m.metadata.src_node_id]):
+            if reply.has_error():
+                raise RuntimeError(f"client {self.node_to_client[reply.metadata.src_node_id]} failed in round "
+                                   f"{server_round + self.round_offset}: {reply.error.reason}")
+            self.observer(server_round + self.round_offset, self.node_to_client[reply.metadata.src_node_id],
+                          sent, reply.content[ARRAYS])
+        return super().aggregate_train(server_round, replies)
+
+
+@contextmanager
+def task_identity(run_id: int, node_id: int, task_id: int = 0) -> Iterator[None]:
+    """Flower's process-wide task identity (run, node, task), which stamps every message created inside;
+    Flower's runtimes set it per process, the serial grid per call. The previous identity is restored."""
+    previous = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = run_id, node_id, task_id
+    try:
+        yield
+    finally:
+        TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = previous
+
+
+@dataclass
+class _Node:
+    node_id: int
+    context: Context
+
+
+class SerialGrid(Grid):
+    """A Flower `Grid` that delivers each message to its node's `ClientApp` in this process, in order.
+
+    Messages and replies are serialised to Flower's protobuf messages and back, as the SuperLink
+    transports them, so the server reads what a networked client would have sent. Run the strategy
+    inside `with grid.serving():` (the server's task identity, which stamps the messages it creates).
+    """
+
+    def __init__(self, client_app: ClientApp, num_nodes: int, run_id: int = 1) -> None:
+        self.client_app = client_app
+        self._run = Run.create_empty(run_id)
+        self._nodes = {}
+        for index in range(num_nodes):
+            node_id = 1_000 + index
+            context = Context(run_id=run_id, node_id=node_id, node_config={"partition-id": index, "num-partitions": num_nodes},
+                              state=RecordDict(), run_config={})
+            self._nodes[node_id] = _Node(node_id, context)
+        self._replies: dict[str, Message] = {}
+
+    def serving(self):
+        return task_identity(self._run.run_id, SUPERLINK_NODE_ID)
+
+    @property
+    def node_to_client(self) -> dict[int, int]:
+        return {node_id: int(node.context.node_config["partition-id"]) for node_id, node in self._nodes.items()}
+
+    def set_run(self, run: Run) -> None:
+        self._run = run
+
+    @property
+    def run(self) -> Run:
+        return self._run
+
+    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str,
+                       ttl: float | None = None) -> Message:
+        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self._nodes)
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        ids = []
+        for message in messages:
+            if message.metadata.dst_node_id not in self._nodes:
+                raise ValueError(f"no node {message.metadata.dst_node_id} in this grid")
+            message.metadata.__dict__["_message_id"] = str(uuid4())
+            message.metadata.__dict__["_run_id"] = self._run.run_id
+            message.metadata.__dict__["_created_at"] = time.time()
+            delivered = message_from_proto(message_to_proto(message))
+            node = self._nodes[message.metadata.dst_node_id]
+            with task_identity(self._run.run_id, node.node_id):
+                reply = self.client_app(delivered, node.context)
+            self._replies[message.metadata.message_id] = message_from_proto(message_to_proto(reply))
+            ids.append(message.metadata.message_id)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return [self._replies.pop(i) for i in list(message_ids) if i in self._replies]
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        return self.pull_messages(self.push_messages(messages))

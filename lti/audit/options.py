@@ -1,0 +1,136 @@
+"""The audit's knobs, in groups: the federation, Flower's DP mods, the attacks, and where it writes.
+
+The threat model (target model, LoRA adapters, client protocol, workbench defense, tokenizer, block
+length, the clients' and the server's text) is not repeated here: it is the `threat_model` config, an
+ordinary `lti fit` config, so the audit's clients and the server's learned inverter can never disagree
+on it. These dataclasses become `lti audit --help`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+FLOWER_DP = ("none", "local_dp", "fixed_clipping")
+
+
+@dataclass
+class FederationOptions:
+    """The Flower federation: how many clients and rounds, and the clients' step.
+
+    Args:
+        clients: Flower clients (SuperNodes); each holds its own documents of the evaluation split.
+        rounds: Federated rounds.
+        batch_size: Sequences B in a client's update (overrides the threat model's samples per update).
+        lr: Client learning rate: a client returns w - lr * update (FedSGD).
+        seed: Seed of the document split and of the clients' batch draws.
+    """
+
+    clients: int = 4
+    rounds: int = 3
+    batch_size: int = 1
+    lr: float = 1.0e-3
+    seed: int = 0
+
+    def check(self) -> None:
+        if self.clients < 1:
+            raise ValueError(f"federation.clients={self.clients} must be >= 1")
+        if self.rounds < 1:
+            raise ValueError(f"federation.rounds={self.rounds} must be >= 1")
+        if self.batch_size < 1:
+            raise ValueError(f"federation.batch_size={self.batch_size} must be >= 1")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"federation.lr={self.lr} must be a finite number > 0")
+
+
+@dataclass
+class FlowerDPOptions:
+    """Flower's own client-side differential privacy, beside the threat model's workbench defense.
+
+    `local_dp`: Flower's `LocalDpMod` clips each client's update to `clipping_norm` and adds Gaussian
+    noise of std clipping_norm * sqrt(2 ln(1.25/delta)) / epsilon to it (epsilon, delta per round per client).
+    `fixed_clipping`: Flower's `fixedclipping_mod` clips each update and the server-side wrapper
+    `DifferentialPrivacyClientSideFixedClipping` adds noise of std noise_multiplier * clipping_norm /
+    clients to the *aggregate*: the server sees every clipped update without noise.
+
+    Args:
+        clipping_norm: Clipping norm of the update a client returns (lr * gradient for FedSGD).
+        epsilon: Local_dp: epsilon per round per client.
+        delta: Local_dp: delta per round; fixed_clipping: the delta epsilon is reported at.
+        noise_multiplier: Fixed_clipping: noise std of the aggregate over clipping_norm / clients.
+    """
+
+    mode: Literal["none", "local_dp", "fixed_clipping"] = "none"
+    clipping_norm: float = 1.0e-3
+    epsilon: float = 10.0
+    delta: float = 1.0e-5
+    noise_multiplier: float = 1.0
+
+    def check(self) -> None:
+        if self.mode not in FLOWER_DP:
+            raise ValueError(f"flower_dp.mode={self.mode!r} is not one of {', '.join(FLOWER_DP)}")
+        if self.mode == "none":
+            return
+        for name in ("clipping_norm", "epsilon", "delta", "noise_multiplier"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"flower_dp.{name}={value} must be a finite number > 0")
+        if self.delta >= 1:
+            raise ValueError(f"flower_dp.delta={self.delta} must be < 1")
+
+
+@dataclass
+class AttackOptions:
+    """Which attacks run on which rounds' updates.
+
+    Args:
+        rounds: Rounds whose client updates are attacked (1-based); None: every round.
+        dager: DAGER on every attacked update (the adapters' lora_A span test).
+        checkpoint: The server's learned inverter (an `lti fit` checkpoint trained under `threat_model`); None: no learned attack.
+        probe_sequences: Measure the inverter's accuracy there (its staleness); 0: only the Flower clients' own updates.
+        samples: Reconstructions shown next to their originals in the report, per round.
+    """
+
+    rounds: list[int] | None = None
+    dager: bool = True
+    checkpoint: str | None = None
+    probe_sequences: int = 128
+    samples: int = 3
+
+    def check(self, rounds: int) -> None:
+        for r in self.rounds or []:
+            if not 1 <= r <= rounds:
+                raise ValueError(f"attacks.rounds has round {r}, but the simulation runs rounds 1..{rounds}")
+        if self.probe_sequences < 0:
+            raise ValueError(f"attacks.probe_sequences={self.probe_sequences} must be >= 0")
+
+
+@dataclass
+class AuditOptions:
+    """`lti audit`: a Flower simulation of federated LoRA fine-tuning, every client update attacked.
+
+    Args:
+        threat_model: An `lti fit` config: target model, LoRA client, defense, tokenizer, corpus, block length.
+        out_dir: The report folder (client text stays here); an interrupted audit resumes from it.
+        utility_sequences: Server-side sequences (auxiliary text) for the global model's validation loss.
+        wandb: Also log the report's numbers to W&B (offline, in out_dir).
+    """
+
+    threat_model: str
+    out_dir: str = "runs/audit"
+    federation: FederationOptions = field(default_factory=FederationOptions)
+    flower_dp: FlowerDPOptions = field(default_factory=FlowerDPOptions)
+    attacks: AttackOptions = field(default_factory=AttackOptions)
+    utility_sequences: int = 64
+    wandb: bool = False
+
+    def check(self) -> None:
+        self.federation.check()
+        self.flower_dp.check()
+        self.attacks.check(self.federation.rounds)
+        if self.utility_sequences < 1:
+            raise ValueError(f"utility_sequences={self.utility_sequences} must be >= 1")
+
+    def attacked_rounds(self) -> list[int]:
+        return sorted(set(self.attacks.rounds)) if self.attacks.rounds else list(range(1, self.federation.rounds + 1))

@@ -1,0 +1,137 @@
+"""The audit's report folder: `report.md`, `report.json`, the leakage-over-rounds and privacy-utility
+plots, and (optionally) the same numbers in W&B (offline, inside the report folder)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from lti.atomic_files import atomic_writer, write_text_atomically
+from lti.audit.options import AuditOptions
+
+ATTACK_NAMES = {"dager": "DAGER (lora_A span test)", "learned": "learned inverter (LTI)"}
+
+
+def _pct(value) -> str:
+    return "–" if value is None else f"{100 * value:.1f}"
+
+
+def _best(record: dict) -> float | None:
+    values = [a["token_acc"] for a in record["attacks"].values()]
+    return max(values) if values else None
+
+
+def _save_figure(figure, path: Path) -> None:
+    with atomic_writer(path) as file:
+        figure.savefig(file, format="png", dpi=120, bbox_inches="tight")
+
+
+def plot_leakage(records: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(5.5, 3.5))
+    rounds = [r["round"] for r in records]
+    for name in sorted({a for r in records for a in r["attacks"]}):
+        points = [(r["round"], 100 * r["attacks"][name]["token_acc"]) for r in records if name in r["attacks"]]
+        axis.plot(*zip(*points), marker="o", label=ATTACK_NAMES.get(name, name) + ", clients' updates")
+    probe = [(r["round"], 100 * r["probe"]["token_acc"]) for r in records if r.get("probe")]
+    if probe:
+        axis.plot(*zip(*probe), marker="s", linestyle="--", label="learned inverter, held-out probe")
+    axis.set_xlabel("round")
+    axis.set_ylabel("token accuracy (%)")
+    axis.set_xticks(rounds)
+    axis.set_ylim(0, 100)
+    axis.legend(fontsize=7)
+    axis.set_title("leakage over rounds")
+    _save_figure(figure, path)
+    plt.close(figure)
+
+
+def plot_privacy_utility(records: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(5.5, 3.5))
+    points = [(r["utility_after"], 100 * _best(r), r["round"]) for r in records if _best(r) is not None]
+    if points:
+        axis.plot([p[0] for p in points], [p[1] for p in points], marker="o")
+        for x, y, r in points:
+            axis.annotate(f"r{r}", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    axis.set_xlabel("global model's validation loss after the round (utility; lower is better)")
+    axis.set_ylabel("best attack's token accuracy (%)")
+    axis.set_title("privacy vs utility")
+    _save_figure(figure, path)
+    plt.close(figure)
+
+
+def write_report(out: Path, options: AuditOptions, records: list[dict], learned, seconds: float) -> None:
+    fed, dp = options.federation, options.flower_dp
+    lines = [
+        "# Audit report",
+        "",
+        f"Threat model: `{options.threat_model}`; {fed.clients} Flower clients × {fed.rounds} rounds, "
+        f"B = {fed.batch_size} sequences per update, FedSGD step lr = {fed.lr}; Flower DP: {dp.mode}"
+        + ("" if dp.mode == "none" else f" (clipping norm {dp.clipping_norm}"
+           + (f", ε = {dp.epsilon} per round, δ = {dp.delta})" if dp.mode == "local_dp"
+              else f", noise multiplier {dp.noise_multiplier} on the aggregate)")) + ".",
+        f"Learned inverter: `{learned.checkpoint}`." if learned is not None else "Learned inverter: none.",
+        f"Wall time of this invocation: {seconds / 60:.1f} min.",
+        "",
+        "Token accuracy, ROUGE-1/2 (F, %) and exact sequences (%) of each attack on the clients' updates of the round;",
+        "'probe': the learned inverter on updates the server simulates for held-out client sequences at the",
+        "round's global weights (its staleness); utility: the global model's validation loss after the round.",
+        "",
+        "| round | attack | token acc | ROUGE-1 | ROUGE-2 | exact | probe acc | val. loss | ε |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for record in records:
+        attacks = record["attacks"] or {"(not attacked)": None}
+        for name, scores in attacks.items():
+            eps = record.get("epsilon")
+            cells = ["–"] * 4 if scores is None else [_pct(scores["token_acc"]), _pct(scores["rouge1"]),
+                                                      _pct(scores["rouge2"]), _pct(scores["exact_fraction"])]
+            probe = record.get("probe") or {}
+            lines.append(f"| {record['round']} | {ATTACK_NAMES.get(name, name)} | " + " | ".join(cells)
+                         + f" | {_pct(probe.get('token_acc')) if name == 'learned' else '–'}"
+                         + f" | {record['utility_after']:.4f} | {'–' if eps is None else f'{eps:.2f}'} |")
+    lines += ["", "![leakage over rounds](leakage_over_rounds.png) ![privacy vs utility](privacy_utility.png)", "",
+              "## Reconstructions", ""]
+    for record in records:
+        for name, scores in record["attacks"].items():
+            for sample in scores.get("samples", []):
+                lines.append(f"- round {record['round']}, client {sample['client']}, {ATTACK_NAMES.get(name, name)}: "
+                             f"`{_one_line(sample['reconstruction'])}` ← `{_one_line(sample['reference'])}`")
+    write_text_atomically(out / "report.md", "\n".join(lines) + "\n")
+    write_text_atomically(out / "report.json", json.dumps({"rounds": records, "seconds": seconds}, indent=1) + "\n")
+    plot_leakage(records, out / "leakage_over_rounds.png")
+    plot_privacy_utility(records, out / "privacy_utility.png")
+    if options.wandb:
+        _log_wandb(out, records)
+
+
+def _one_line(text: str) -> str:
+    return text.replace("\n", " ⏎ ").replace("`", "'")
+
+
+def _log_wandb(out: Path, records: list[dict]) -> None:
+    import wandb
+
+    run = wandb.init(project="lti", name=f"audit-{out.name}", dir=str(out), mode="offline", reinit="finish_previous")
+    try:
+        for record in records:
+            metrics = {"round": record["round"], "utility/validation_loss": record["utility_after"]}
+            if record.get("epsilon") is not None:
+                metrics["privacy/epsilon"] = record["epsilon"]
+            for name, scores in record["attacks"].items():
+                for key in ("token_acc", "rouge1", "rouge2", "exact_fraction"):
+                    metrics[f"{name}/{key}"] = scores[key]
+            if record.get("probe"):
+                metrics["learned/probe_token_acc"] = record["probe"]["token_acc"]
+            run.log(metrics)
+    finally:
+        run.finish()

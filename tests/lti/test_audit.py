@@ -1,0 +1,240 @@
+"""`lti audit`: the Flower strategy sees what the clients sent, Flower's DP mods act on it, the server
+reads the right update off it, the audit records, resumes and reports, and bad input is one line."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+flwr = pytest.importorskip("flwr")
+
+from conftest import REPO  # noqa: E402
+from flwr.app import ArrayRecord  # noqa: E402
+
+from datamodules.federated import FedSGDClient, LoRAClient, UpdatePipeline  # noqa: E402
+from datamodules.targets import HFCausalLM  # noqa: E402
+from lti.audit.attacks import observed_update  # noqa: E402
+from lti.audit.federation import (  # noqa: E402
+    ObservedFedAvg,
+    SerialGrid,
+    adapter_state,
+    client_pipeline,
+    make_client_app,
+)
+from lti.audit.options import AttackOptions, AuditOptions, FederationOptions, FlowerDPOptions  # noqa: E402
+from lti.audit.run import Audit, client_batch_indices, client_ranges, epsilon_after  # noqa: E402
+
+TINY = str(REPO / "configs" / "audit" / "tiny_llama_lora.yaml")
+
+
+def tiny_pipeline(rank: int = 4) -> UpdatePipeline:
+    target = HFCausalLM(architecture="llama", config=dict(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=97, max_position_embeddings=32))
+    client = LoRAClient(rank=rank, target_modules=["q_proj", "v_proj"], seed=0, init_b_std=0.02,
+                        local=FedSGDClient("train", 1))
+    return UpdatePipeline(target, client=client)
+
+
+def random_data(client: int, round_: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 * client + round_)
+    return {"input_ids": torch.randint(0, 97, (1, 2, 6), generator=generator)}
+
+
+def federate(pipeline, rounds=2, clients=3, lr=0.05, mods=None, wrap=None):
+    """Run Flower rounds over the serial grid; returns (what the clients' code sent, what the strategy saw)."""
+    sent, seen, globals_ = {}, {}, {}
+    app = make_client_app(client_pipeline(pipeline, 2), random_data, lr, mods,
+                          sent=lambda c, r, arrays: sent.__setitem__((c, r), arrays))
+
+    def observe(round_, client, global_arrays, reply):
+        seen[(client, round_)] = reply
+        globals_[round_] = global_arrays
+
+    grid = SerialGrid(app, clients)
+    strategy = ObservedFedAvg(observe, grid.node_to_client, min_train_nodes=clients, min_available_nodes=clients)
+    if wrap is not None:
+        strategy = wrap(strategy)
+    with grid.serving():
+        strategy.start(grid=grid, initial_arrays=ArrayRecord(torch_state_dict=adapter_state(pipeline)), num_rounds=rounds)
+    return sent, seen, globals_
+
+
+def test_the_strategy_receives_byte_for_byte_what_each_client_sent():
+    sent, seen, _ = federate(tiny_pipeline())
+    assert sorted(seen) == sorted(sent) == [(c, r) for c in range(3) for r in (1, 2)]
+    for key, arrays in seen.items():
+        assert list(arrays.keys()) == list(sent[key].keys())
+        for name in arrays.keys():
+            assert arrays[name].data == sent[key][name].data  # the serialised bytes themselves
+            assert arrays[name].dtype == sent[key][name].dtype and arrays[name].shape == sent[key][name].shape
+
+
+def test_the_server_reads_the_clients_update_off_the_returned_weights():
+    """u = (w - returned) / lr equals the pipeline's own update of the client's batch, to float32 rounding
+    of the returned weights (checked against a float64 bound)."""
+    pipeline = tiny_pipeline()
+    lr = 0.05
+    _, seen, globals_ = federate(pipeline, rounds=1, lr=lr)
+    reference = client_pipeline(pipeline, 2)
+    for (client, round_), reply in seen.items():
+        sent = globals_[round_].to_torch_state_dict()
+        recovered = observed_update(sent, reply.to_torch_state_dict(), lr, list(pipeline.names))
+        generator = torch.Generator().manual_seed(1_000_003 * round_ + client)
+        truth = reference(random_data(client, round_), keep_update=True, generator=generator).update[0]
+        weights = torch.cat([sent[n].flatten() for n in pipeline.names]).double()
+        # The client computes w - lr * u in float32: lr rounded to float32, the product and the difference
+        # each add up to half an ulp (relative 2^-24) of their magnitude.
+        bound = (weights.abs() + 3 * lr * truth.double().abs()) * 2 ** -24 / lr * 1.01 + 1e-12
+        assert ((recovered.double() - truth.double()).abs() <= bound).all()
+        assert truth.abs().max() > 0
+
+
+def test_flower_fixed_clipping_clips_every_update_the_server_sees():
+    from flwr.clientapp.mod import fixedclipping_mod
+    from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping
+
+    pipeline = tiny_pipeline()
+    norm, lr = 1e-4, 0.05
+    raw, seen, globals_ = federate(
+        pipeline, rounds=1, lr=lr, mods=[fixedclipping_mod],
+        wrap=lambda s: DifferentialPrivacyClientSideFixedClipping(s, noise_multiplier=1.0, clipping_norm=norm,
+                                                                  num_sampled_clients=3))
+    for key, reply in seen.items():
+        sent = globals_[key[1]].to_torch_state_dict()
+        clipped = observed_update(sent, reply.to_torch_state_dict(), 1.0, list(pipeline.names)).double()
+        unclipped = observed_update(sent, raw[key].to_torch_state_dict(), 1.0, list(pipeline.names)).double()
+        assert unclipped.norm() > norm  # the clipping acted
+        assert clipped.norm() == pytest.approx(norm, rel=1e-3)
+        assert torch.nn.functional.cosine_similarity(clipped, unclipped, dim=0) > 0.999
+
+
+def test_flower_local_dp_adds_noise_of_the_stated_scale():
+    from flwr.clientapp.mod import LocalDpMod
+
+    pipeline = tiny_pipeline()
+    clip, eps, delta = 1e-3, 50.0, 1e-5
+    raw, seen, globals_ = federate(pipeline, rounds=1, lr=0.05, mods=[LocalDpMod(clip, clip, eps, delta)])
+    sigma = clip * math.sqrt(2 * math.log(1.25 / delta)) / eps
+    for key, reply in seen.items():
+        sent = globals_[key[1]].to_torch_state_dict()
+        observed = observed_update(sent, reply.to_torch_state_dict(), 1.0, list(pipeline.names)).double()
+        unclipped = observed_update(sent, raw[key].to_torch_state_dict(), 1.0, list(pipeline.names)).double()
+        clipped = unclipped * min(1.0, clip / float(unclipped.norm()))
+        noise = observed - clipped
+        assert float(noise.std()) == pytest.approx(sigma, rel=0.1)
+
+
+def test_clients_hold_disjoint_consecutive_samples_and_draw_only_their_own():
+    ranges = client_ranges(103, 4)
+    assert [len(r) for r in ranges] == [26, 26, 25, 26] and ranges[0].start == 0 and ranges[-1].stop == 103
+    assert all(a.stop == b.start for a, b in zip(ranges, ranges[1:]))
+    for client, own in enumerate(ranges):
+        for round_ in range(1, 4):
+            picked = client_batch_indices(own, 4, client, round_, seed=0)
+            assert len(set(picked.tolist())) == 4 and all(i in own for i in picked.tolist())
+    assert not torch.equal(client_batch_indices(ranges[0], 4, 0, 1, 0), client_batch_indices(ranges[0], 4, 0, 2, 0))
+    with pytest.raises(ValueError, match="fewer than federation.clients"):
+        client_ranges(3, 4)
+
+
+def test_epsilon_grows_with_rounds_and_falls_with_noise():
+    local = AuditOptions(threat_model=TINY, flower_dp=FlowerDPOptions(mode="local_dp", epsilon=2.0))
+    assert epsilon_after(local, 3) == 6.0
+    central = AuditOptions(threat_model=TINY, flower_dp=FlowerDPOptions(mode="fixed_clipping", noise_multiplier=1.0))
+    noisier = AuditOptions(threat_model=TINY, flower_dp=FlowerDPOptions(mode="fixed_clipping", noise_multiplier=2.0))
+    assert epsilon_after(central, 1) < epsilon_after(central, 5)
+    assert epsilon_after(noisier, 5) < epsilon_after(central, 5)
+    assert epsilon_after(AuditOptions(threat_model=TINY), 3) is None
+
+
+@pytest.fixture(scope="module")
+def tiny_audit(tmp_path_factory):
+    out = tmp_path_factory.mktemp("audit")
+    options = AuditOptions(threat_model=TINY, out_dir=str(out), federation=FederationOptions(clients=2, rounds=2, lr=0.5),
+                           attacks=AttackOptions(probe_sequences=0), utility_sequences=8)
+    records = Audit(options, say=lambda *_: None).run()
+    return options, out, records
+
+
+def test_an_audit_writes_its_report_and_every_round(tiny_audit):
+    options, out, records = tiny_audit
+    for name in ("report.md", "report.json", "leakage_over_rounds.png", "privacy_utility.png", "audit.json"):
+        assert (out / name).is_file()
+    assert [r["round"] for r in records] == [1, 2]
+    for record in records:
+        assert record["clients"] == [0, 1]
+        assert set(record["attacks"]) == {"dager"}
+        assert record["attacks"]["dager"]["sequences"] == 2
+        assert math.isfinite(record["utility_after"])
+    assert records[1]["utility_before"] == records[0]["utility_after"]
+    report = (out / "report.md").read_text()
+    assert "| 2 | DAGER" in report and "## Reconstructions" in report
+
+
+def test_an_interrupted_audit_resumes_with_the_same_rounds(tiny_audit, tmp_path):
+    import shutil
+
+    options, out, records = tiny_audit
+    copy = tmp_path / "audit"
+    shutil.copytree(out, copy)
+    shutil.rmtree(copy / "rounds" / "r002")  # stopped during round 2
+    (copy / "rounds" / "r001" / "attacks.json").unlink()  # and before round 1 was attacked
+    kept = (copy / "rounds" / "r001" / "replies.safetensors").stat().st_mtime_ns
+    resumed = Audit(AuditOptions(**{**vars(options), "out_dir": str(copy)}), say=lambda *_: None).run()
+    assert (copy / "rounds" / "r001" / "replies.safetensors").stat().st_mtime_ns == kept
+    for name in ("sent", "replies", "after", "batches"):
+        assert (copy / "rounds" / "r002" / f"{name}.safetensors").read_bytes() == \
+            (out / "rounds" / "r002" / f"{name}.safetensors").read_bytes()
+    assert [r["attacks"]["dager"]["token_acc"] for r in resumed] == [r["attacks"]["dager"]["token_acc"] for r in records]
+
+
+def test_a_folder_of_another_audit_is_refused(tiny_audit):
+    options, out, _ = tiny_audit
+    other = AuditOptions(**{**vars(options), "federation": FederationOptions(clients=3, rounds=2)})
+    with pytest.raises(ValueError, match="other federation"):
+        Audit(other).run()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--attacks.rounds", "[5]"], "attacks.rounds has round 5, but the simulation runs rounds 1..3"),
+    (["--federation.clients", "0"], "federation.clients=0 must be >= 1"),
+    (["--flower_dp.mode", "local_dp", "--flower_dp.epsilon", "0"], "flower_dp.epsilon=0.0 must be"),
+])
+def test_bad_audit_options_are_one_line(argv, message, tmp_path, capsys):
+    from lti.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["audit", "--threat_model", TINY, "--out_dir", str(tmp_path / "a"), *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err
+    assert not (tmp_path / "a").exists()  # nothing written
+
+
+def test_a_threat_model_without_lora_is_refused(tmp_path, capsys):
+    from lti.cli import main
+
+    config = tmp_path / "fedsgd.yaml"
+    text = (REPO / "configs" / "audit" / "tiny_llama_lora.yaml").read_text()
+    start = text.index("  client:")
+    end = text.index("  defense:")
+    config.write_text(text[:start] + "  client:\n    class_path: datamodules.federated.FedSGDClient\n" + text[end:])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["audit", "--threat_model", str(config), "--out_dir", str(tmp_path / "a")])
+    assert exit_info.value.code == 2
+    assert "the audit federates LoRA fine-tuning" in capsys.readouterr().err
+
+
+def test_without_flower_the_audit_says_how_to_install_it(monkeypatch, tmp_path, capsys):
+    import sys
+
+    from lti.cli import main
+
+    monkeypatch.setitem(sys.modules, "flwr", None)  # import flwr -> ImportError
+    with pytest.raises(SystemExit) as exit_info:
+        main(["audit", "--threat_model", TINY, "--out_dir", str(tmp_path / "a")])
+    assert exit_info.value.code == 2
+    assert 'pip install -e ".[flower]"' in capsys.readouterr().err
