@@ -447,6 +447,24 @@ def test_dager_reads_lora_a_gradients_when_only_adapters_are_sent(arch, rank, re
     assert not result.exact  # the missing last token keeps it uncertified
 
 
+@pytest.mark.parametrize("modules, recovered", [
+    (["q_proj", "v_proj"], True),   # FlowerTune's choice: the key block has no adapter and is left out
+    (["v_proj"], None),             # no query adapter: the span test cannot run
+])
+def test_dager_reads_the_adapters_lora_has_when_it_adapts_only_some_projections(modules, recovered):
+    from datamodules.federated import LoRAClient
+
+    pipeline = UpdatePipeline(llama(), client=LoRAClient(rank=8, target_modules=modules, init_b_std=0.02,
+                                                         local=FedSGDClient(mode="eval")), hashing=Hashing(bins=16))
+    ids = torch.randint(3, VOCAB - 3, (1, 1, 12), generator=torch.Generator().manual_seed(1))
+    parts = pipeline.split(pipeline({"input_ids": ids}, keep_update=True).update)
+    result = Dager().attack(pipeline.target, {name: grads[0] for name, grads in parts.items()}, batch_size=1, max_length=12)
+    if recovered is None:
+        assert "lacks" in result.diagnostics["reason"] and not result.sequences
+    else:  # q and v adapters: 2 x 8 columns span the 11 inputs with a gradient
+        assert result.sequences == [ids[0, 0, :-1].tolist()]
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Multi-step clients: the second-layer test along the client's local trajectory
 
