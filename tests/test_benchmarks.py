@@ -280,3 +280,15 @@ def test_span_evidence_ranks_finds_every_token_of_an_undefended_one_sequence_upd
     (row,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1 | none")]
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[2] == "1" and cells[3] == "100.0" and cells[5] == "0" and cells[6] == "100.0"
+
+
+def test_lora_update_throughput_benchmark_checks_vmap_against_the_loop(capsys):
+    """benchmarks/lora_update_throughput.py: vmap's per-sample adapter updates equal the loop's, and the
+    printed updates/s is the batch over the median time."""
+    module = load_benchmark("lora_update_throughput")
+    result = module.main(["--target", "tiny", "--batch", "4", "--repeats", "1", "--seq_len", "8"])
+    assert result["vmap_vs_loop_error"] < 1e-4
+    assert result["observed_dim"] == 2 * (8 * 64 + 64 * 8) + 2 * (8 * 64 + 32 * 8)  # q: 64 -> 64, v: 64 -> 32 (2 KV heads)
+    for row in result["variants"].values():
+        assert row["updates_per_s"] == pytest.approx(4 / row["median_s"])
+    assert "vmap vs loop" in capsys.readouterr().out

