@@ -13,6 +13,7 @@ aggregate, and only unattacked rounds are attacked.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from pathlib import Path
@@ -90,9 +91,13 @@ def epsilon_after(options: AuditOptions, rounds: int) -> float | None:
 class Audit:
     """One audit run: built from `AuditOptions`, run with `run()`; returns the report's records."""
 
-    def __init__(self, options: AuditOptions, say=print) -> None:
+    def __init__(self, options: AuditOptions, say=None) -> None:
         options.check()
         self.options = options
+        if say is None:
+            from tqdm.auto import tqdm
+
+            say = tqdm.write  # lines between the progress bars, not through them
         self.say = say
         self.out = Path(options.out_dir)
         self.rounds_dir = self.out / "rounds"
@@ -177,6 +182,7 @@ class Audit:
         """Run the Flower rounds not yet recorded, recording each round as it ends."""
         from flwr.app import ArrayRecord, MetricRecord
         from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping
+        from tqdm.auto import tqdm
 
         from lti.audit.federation import ObservedFedAvg, SerialGrid, adapter_state, make_client_app
 
@@ -205,8 +211,10 @@ class Audit:
             if server_round > 0:  # the round's aggregate: the round is whole, record it
                 self._record_round(absolute, sent_by_round.pop(absolute), replies.pop(absolute), state,
                                    utilities[absolute - 1], utilities[absolute])
+                bar.update(1)
             return MetricRecord({"validation-loss": utilities[absolute]})
 
+        bar = tqdm(total=fed.rounds, initial=done, desc="federated rounds", unit="round")
         app = make_client_app(self.clients, self.client_data, fed.lr, flower_mods(self.options))
         grid = SerialGrid(app, fed.clients)
         strategy = ObservedFedAvg(observe, grid.node_to_client, round_offset=done,
@@ -215,9 +223,17 @@ class Audit:
             dp = self.options.flower_dp
             strategy = DifferentialPrivacyClientSideFixedClipping(strategy, dp.noise_multiplier, dp.clipping_norm,
                                                                   num_sampled_clients=fed.clients)
-        with grid.serving():
-            strategy.start(grid=grid, initial_arrays=ArrayRecord(torch_state_dict=initial),
-                           num_rounds=fed.rounds - done, evaluate_fn=evaluate)
+        # Flower logs every message at INFO; the bar and the per-round line say what matters here.
+        flower_logger = logging.getLogger("flwr")
+        level = flower_logger.level
+        flower_logger.setLevel(logging.WARNING)
+        try:
+            with grid.serving():
+                strategy.start(grid=grid, initial_arrays=ArrayRecord(torch_state_dict=initial),
+                               num_rounds=fed.rounds - done, evaluate_fn=evaluate)
+        finally:
+            flower_logger.setLevel(level)
+            bar.close()
 
     def _record_round(self, r: int, sent: dict, replies: dict, after: dict, utility_before: float,
                       utility_after: float) -> None:
@@ -232,7 +248,7 @@ class Audit:
         record = {"round": r, "clients": sorted(replies), "utility_before": utility_before,
                   "utility_after": utility_after, "epsilon": epsilon_after(self.options, r)}
         _write_json(record, folder / "round.json")
-        self.say(f"round {r}: validation loss {record['utility_after']:.4f}")
+        self.say(f"round {r}: global model's validation loss {record['utility_after']:.4f}")
 
     # ---------------------------------------------------------------- the attacks
     def attack_rounds(self) -> None:

@@ -4,6 +4,7 @@ reads the right update off it, the audit records, resumes and reports, and bad i
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -238,3 +239,37 @@ def test_without_flower_the_audit_says_how_to_install_it(monkeypatch, tmp_path, 
         main(["audit", "--threat_model", TINY, "--out_dir", str(tmp_path / "a")])
     assert exit_info.value.code == 2
     assert 'pip install -e ".[flower]"' in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def tiny_inverter(tmp_path_factory):
+    """A few steps of the tiny threat model's own `lti fit`: a checkpoint the audit can load."""
+    from lti.cli import main
+
+    folder = tmp_path_factory.mktemp("inverter")
+    main(["fit", "--config", TINY, "--trainer.max_steps", "2", "--trainer.val_check_interval", "2",
+          "--trainer.default_root_dir", str(folder), "--checkpoint.dirpath", str(folder / "ckpt"),
+          "--data.eval_samples", "4"])
+    return str(folder / "ckpt" / "last.ckpt")
+
+
+def test_the_learned_inverter_attacks_every_round_and_is_probed_for_staleness(tiny_inverter, tmp_path):
+    options = AuditOptions(threat_model=TINY, out_dir=str(tmp_path / "a"), federation=FederationOptions(clients=2, rounds=2),
+                           attacks=AttackOptions(dager=False, checkpoint=tiny_inverter, probe_sequences=6, rounds=[2]),
+                           utility_sequences=4)
+    records = Audit(options, say=lambda *_: None).run()
+    assert records[0]["attacks"] == {} and records[0]["probe"] == {}  # round 1 was not asked for
+    learned = records[1]["attacks"]["learned"]
+    assert learned["sequences"] == 2 and 0.0 <= learned["token_acc"] <= 1.0
+    assert records[1]["probe"]["sequences"] == 6
+    assert "learned inverter (LTI)" in (tmp_path / "a" / "report.md").read_text()
+
+
+def test_an_inverter_of_another_threat_model_is_refused(tiny_inverter, tmp_path):
+    config = tmp_path / "rank4.yaml"
+    config.write_text(Path(TINY).read_text().replace("rank: 8", "rank: 4"))
+    options = AuditOptions(threat_model=str(config), out_dir=str(tmp_path / "a"),
+                           attacks=AttackOptions(checkpoint=tiny_inverter))
+    with pytest.raises(ValueError, match="trained under another threat model"):
+        Audit(options).run()
+    assert not (tmp_path / "a").exists()
