@@ -112,12 +112,15 @@ class AuditOptions:
 
     Args:
         threat_model: An `lti fit` config: target model, LoRA client, defense, tokenizer, corpus, block length.
+        threat_model_args: `lti fit` options over the threat model's config, e.g.
+            `[--data.client.init_args.rank, "16"]` (a learned inverter must have been trained under the same).
         out_dir: The report folder (client text stays here); an interrupted audit resumes from it.
         utility_sequences: Server-side sequences (auxiliary text) for the global model's validation loss.
         wandb: Also log the report's numbers to W&B (offline, in out_dir).
     """
 
     threat_model: str
+    threat_model_args: list[str] = field(default_factory=list)
     out_dir: str = "runs/audit"
     federation: FederationOptions = field(default_factory=FederationOptions)
     flower_dp: FlowerDPOptions = field(default_factory=FlowerDPOptions)

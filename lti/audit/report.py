@@ -74,7 +74,9 @@ def write_report(out: Path, options: AuditOptions, records: list[dict], learned,
     lines = [
         "# Audit report",
         "",
-        f"Threat model: `{options.threat_model}`; {fed.clients} Flower clients × {fed.rounds} rounds, "
+        f"Threat model: `{options.threat_model}`"
+        + (f" with `{' '.join(options.threat_model_args)}`" if options.threat_model_args else "")
+        + f"; {fed.clients} Flower clients × {fed.rounds} rounds, "
         f"B = {fed.batch_size} sequences per update, FedSGD step lr = {fed.lr}; Flower DP: {dp.mode}"
         + ("" if dp.mode == "none" else f" (clipping norm {dp.clipping_norm}"
            + (f", ε = {dp.epsilon} per round, δ = {dp.delta})" if dp.mode == "local_dp"

@@ -25,7 +25,7 @@ from lti.atomic_files import atomic_writer, write_text_atomically
 from lti.audit.options import AuditOptions
 
 #: The options that fix what a run folder holds: a rerun with other values is refused, not mixed in.
-RUN_KEYS = ("threat_model", "federation", "flower_dp")
+RUN_KEYS = ("threat_model", "threat_model_args", "federation", "flower_dp")
 
 
 def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -123,7 +123,7 @@ class Audit:
         if not Path(self.options.threat_model).is_file():
             raise ValueError(f"threat_model {self.options.threat_model} is not a file")
         self.say(f"threat model: {self.options.threat_model}")
-        module, data = instantiate(self.options.threat_model)
+        module, data = instantiate(self.options.threat_model, list(self.options.threat_model_args))
         data.prepare_data()
         data.setup("validate")
         self.data = data
