@@ -38,6 +38,8 @@ class Tally:
     exact: int = 0
     rouge: dict[str, float] = field(default_factory=lambda: dict.fromkeys(ROUGE_TYPES, 0.0))
     samples: list[dict] = field(default_factory=list)
+    modes: dict[str, int] = field(default_factory=dict)
+    diagnostics: dict[str, object] = field(default_factory=dict)
 
     def add(self, scores: dict, client: int, keep_sample: bool) -> None:
         count = scores["count"]
@@ -110,8 +112,16 @@ class RoundAttacks:
                 split = {name: grads[0] for name, grads in self.pipeline.split(update[None]).items()}
                 result = self.dager.attack(self.pipeline.target, split, batch_size=ids.shape[0], max_length=self.seq_len)
                 seconds["dager"] = seconds.get("dager", 0.0) + time.perf_counter() - start
-                tallies.setdefault("dager", Tally()).add(
-                    score_batch(result.sequences, ids, None, self.decode, result.exact), client, keep)
+                tally = tallies.setdefault("dager", Tally())
+                tally.add(score_batch(result.sequences, ids, None, self.decode, result.exact), client, keep)
+                # How DAGER ran (strict span tests, the relaxed best effort, or not at all) and why.
+                mode = str(result.diagnostics.get("mode", "strict"))
+                tally.modes[mode] = tally.modes.get(mode, 0) + 1
+                for key in ("rank1", "dim"):
+                    if key in result.diagnostics:
+                        tally.diagnostics.setdefault(key, []).append(result.diagnostics[key])
+                if "reason" in result.diagnostics:
+                    tally.diagnostics.setdefault("reasons", set()).add(str(result.diagnostics["reason"]))
             if self.learned is not None and self.learned.sequences == ids.shape[0]:
                 progress(f"learned inverter, client {client}")
                 features = self.pipeline.hasher(update[None])
@@ -120,6 +130,10 @@ class RoundAttacks:
         out = {}
         for name, tally in tallies.items():
             out[name] = {**tally.row(), "samples": tally.samples}
+            if tally.modes:
+                out[name]["modes"] = tally.modes
+            for key, value in tally.diagnostics.items():
+                out[name][key] = sorted(value) if isinstance(value, set) else value
             if name in seconds:
                 out[name]["seconds_per_update"] = seconds[name] / max(1, len(replies))
         return out

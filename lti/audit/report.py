@@ -88,8 +88,8 @@ def write_report(out: Path, options: AuditOptions, records: list[dict], learned,
         "'probe': the learned inverter on updates the server simulates for held-out client sequences at the",
         "round's global weights (its staleness); utility: the global model's validation loss after the round.",
         "",
-        "| round | attack | token acc | ROUGE-1 | ROUGE-2 | exact | probe acc | val. loss | ε |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| round | attack | token acc | ROUGE-1 | ROUGE-2 | exact | probe acc | val. loss | ε | how it ran |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for record in records:
         attacks = record["attacks"] or {"(not attacked)": None}
@@ -100,7 +100,8 @@ def write_report(out: Path, options: AuditOptions, records: list[dict], learned,
             probe = record.get("probe") or {}
             lines.append(f"| {record['round']} | {ATTACK_NAMES.get(name, name)} | " + " | ".join(cells)
                          + f" | {_pct(probe.get('token_acc')) if name == 'learned' else '–'}"
-                         + f" | {record['utility_after']:.4f} | {'–' if eps is None else f'{eps:.2f}'} |")
+                         + f" | {record['utility_after']:.4f} | {'–' if eps is None else f'{eps:.2f}'}"
+                         + f" | {_how(scores)} |")
     lines += ["", "![leakage over rounds](leakage_over_rounds.png) ![privacy vs utility](privacy_utility.png)", "",
               "## Reconstructions", ""]
     for record in records:
@@ -114,6 +115,18 @@ def write_report(out: Path, options: AuditOptions, records: list[dict], learned,
     plot_privacy_utility(records, out / "privacy_utility.png")
     if options.wandb:
         _log_wandb(out, records)
+
+
+def _how(scores: dict | None) -> str:
+    """DAGER's modes over the round's updates (strict span tests, relaxed best effort, degenerate) and
+    the first-layer span's rank against the width."""
+    if not scores or "modes" not in scores:
+        return ""
+    modes = ", ".join(f"{mode} {count}" for mode, count in sorted(scores["modes"].items()))
+    ranks = scores.get("rank1")
+    if ranks and scores.get("dim"):
+        modes += f"; layer-1 span rank {min(ranks)}–{max(ranks)} of {scores['dim'][0]}"
+    return modes
 
 
 def _one_line(text: str) -> str:
