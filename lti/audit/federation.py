@@ -32,6 +32,7 @@ from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
 from datamodules.federated import FedSGDClient, LoRAClient, UpdatePipeline
+from datamodules.federated.hashing import FeatureHasher, Hashing
 
 #: The keys of the records a train message and its reply carry (Flower's FedAvg defaults).
 ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"
@@ -41,7 +42,9 @@ ROUND_OFFSET = "audit-round-offset"
 
 def client_pipeline(server_pipeline: UpdatePipeline, batch_size: int) -> UpdatePipeline:
     """The clients' own copy of the threat model's pipeline (a separate model object), with B sequences
-    per update. Only LoRA clients with a FedSGD local computation are simulated: they return one step."""
+    per update, computing every adapter's update: a client sends all its adapters, whatever subset the
+    server's threat model observes (`data.observed` selects what the server's inverter reads). Only
+    LoRA clients with a FedSGD local computation are simulated: they return one step."""
     client = server_pipeline.client
     if not isinstance(client, LoRAClient):
         raise ValueError(f"the audit federates LoRA fine-tuning; the threat model's client is {type(client).__name__} "
@@ -53,7 +56,16 @@ def client_pipeline(server_pipeline: UpdatePipeline, batch_size: int) -> UpdateP
     local = FedSGDClient(client.local.mode, batch_size, client.local.implementation)
     lora = copy.copy(pipeline.client)
     lora.local = local
-    return pipeline.with_client(lora)
+    pipeline.client = lora  # the deep copy's own: its model already carries the adapters
+    every = lora.adapter_names(pipeline.target)
+    if list(pipeline.names) != every:
+        params = dict(pipeline.target.named_parameters())
+        shapes = tuple((name, tuple(params[name].shape)) for name in every)
+        pipeline.names = every
+        # The clients hash nothing the server reads; one bin keeps the pipeline's hashing step cheap.
+        pipeline.spec = Hashing(bins=1).spec(shapes, pipeline.spec.target_fingerprint)
+        pipeline.hasher = FeatureHasher(pipeline.spec)
+    return pipeline
 
 
 def adapter_state(pipeline: UpdatePipeline) -> dict[str, torch.Tensor]:

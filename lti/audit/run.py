@@ -140,7 +140,9 @@ class Audit:
         self.attacks = RoundAttacks(self.server, lambda t: data.tokenizer.decode(t), data.seq_len,
                                     self.options.federation.lr, self.options.attacks.dager, learned,
                                     self.options.attacks.samples)
-        self.probe_ids = eval_ids[: self.options.attacks.probe_sequences]
+        # Spread over the whole split, so over every client's documents.
+        probe = min(self.options.attacks.probe_sequences, eval_ids.shape[0])
+        self.probe_ids = eval_ids[torch.linspace(0, eval_ids.shape[0] - 1, probe).long()] if probe else eval_ids[:0]
 
     # ---------------------------------------------------------------- the federation
     def _round_dir(self, r: int) -> Path:

@@ -273,3 +273,20 @@ def test_an_inverter_of_another_threat_model_is_refused(tiny_inverter, tmp_path)
     with pytest.raises(ValueError, match="trained under another threat model"):
         Audit(options).run()
     assert not (tmp_path / "a").exists()
+
+
+def test_clients_send_every_adapter_when_the_server_observes_a_subset():
+    from datamodules.federated import ParameterSelection
+
+    target = HFCausalLM(architecture="llama", config=dict(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=97, max_position_embeddings=32))
+    server = UpdatePipeline(target, client=LoRAClient(rank=4, target_modules=["q_proj", "v_proj"], init_b_std=0.02,
+                                                      local=FedSGDClient("train", 1)),
+                            observed=ParameterSelection(include=["*layers.0.*"]))
+    assert all("layers.0." in name for name in server.names) and len(server.names) == 4
+    clients = client_pipeline(server, 2)
+    assert len(clients.names) == 8 and set(server.names) < set(clients.names)
+    update = clients(random_data(0, 1), keep_update=True).update
+    assert update.shape == (1, sum(p.numel() for n, p in clients.target.named_parameters() if ".lora_" in n))
+    assert len(server.names) == 4  # the server's pipeline is left as it was
