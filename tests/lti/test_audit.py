@@ -290,3 +290,29 @@ def test_clients_send_every_adapter_when_the_server_observes_a_subset():
     update = clients(random_data(0, 1), keep_update=True).update
     assert update.shape == (1, sum(p.numel() for n, p in clients.target.named_parameters() if ".lora_" in n))
     assert len(server.names) == 4  # the server's pipeline is left as it was
+
+
+def test_the_report_goes_to_wandb_when_asked(tiny_audit, monkeypatch):
+    """`--wandb true`: one W&B step per round with the report's numbers (W&B itself replaced by a recorder)."""
+    import sys
+    import types
+
+    from lti.audit.report import write_report
+
+    options, out, records = tiny_audit
+    logged, inits = [], []
+
+    class Run:
+        def log(self, metrics):
+            logged.append(metrics)
+
+        def finish(self):
+            logged.append("finished")
+
+    fake = types.SimpleNamespace(init=lambda **kwargs: inits.append(kwargs) or Run())
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    write_report(out, AuditOptions(**{**vars(options), "wandb": True}), records, None, 1.0)
+    assert inits[0]["mode"] == "offline" and inits[0]["dir"] == str(out)
+    assert [m["round"] for m in logged[:-1]] == [1, 2] and logged[-1] == "finished"
+    assert logged[1]["dager/token_acc"] == records[1]["attacks"]["dager"]["token_acc"]
+    assert logged[0]["utility/validation_loss"] == records[0]["utility_after"]
