@@ -106,7 +106,8 @@ class ProjectionRef:
             if adapter not in adapters:
                 adapters.add(adapter)
                 parts.append(update[adapter].transpose(0, 1))  # lora_A: (r, d_in)
-        if missing and (not adapters or self.query in missing):
+        # The query adapter alone is not enough for "qkv": causal models' first token is only in key/value.
+        if missing and (not adapters or self.query in missing or all(b in missing for b in self.key_value)):
             return None
         return torch.cat(parts, dim=1)
 

@@ -71,7 +71,10 @@ class LearnedInverter:
         if difference:
             raise ValueError(f"{checkpoint} was trained under another threat model than the audit's: {difference}")
         module.inverter.bind(data.inversion_spec)
-        module.load_state_dict(saved["state_dict"], strict=False)
+        try:
+            module.load_state_dict(saved["state_dict"], strict=True)
+        except RuntimeError as error:
+            raise ValueError(f"{checkpoint} does not fit the threat model's inverter: {str(error).splitlines()[0]}") from None
         self.module = module.eval()
         self.sequences = data.samples_per_update
         self.checkpoint = checkpoint

@@ -27,13 +27,23 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError:
         print("lti audit: error: Flower is not installed: pip install -e \".[flower]\"", file=sys.stderr)
         raise SystemExit(2) from None
-    from lti.audit.run import Audit
+    import os
 
+    from lti.audit.run import Audit
+    from lti.trainer_cli import USER_ERRORS, user_message
+
+    if os.environ.get("LTI_DEBUG"):  # LTI_DEBUG=1: the traceback instead of one line
+        Audit(options).run()
+        return
     try:
         Audit(options).run()
-    except (ValueError, FileNotFoundError) as error:
-        print(f"lti audit: error: {error}", file=sys.stderr)
+    except (*USER_ERRORS, ValueError, FileNotFoundError) as error:
+        print(f"lti audit: error: {user_message(error).splitlines()[0]}", file=sys.stderr)
         raise SystemExit(2) from None
+    except (RuntimeError, FloatingPointError) as error:  # a client or the federation failed mid-run
+        print(f"lti audit: error: {str(error).splitlines()[0]} (finished rounds are kept in {options.out_dir})",
+              file=sys.stderr)
+        raise SystemExit(1) from None
     except KeyboardInterrupt:
         print(f"lti audit: interrupted; finished rounds are kept in {options.out_dir} (a rerun resumes)", file=sys.stderr)
         raise SystemExit(130) from None

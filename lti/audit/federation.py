@@ -75,13 +75,17 @@ def adapter_state(pipeline: UpdatePipeline) -> dict[str, torch.Tensor]:
 
 
 def load_adapter_state(pipeline: UpdatePipeline, state: dict[str, torch.Tensor]) -> None:
-    """Set the pipeline model's adapter weights (a round's global model) in place."""
+    """Set the pipeline model's adapter weights (a round's global model) in place: every adapter in
+    `state`, which must hold at least the ones the pipeline observes."""
     params = dict(pipeline.target.named_parameters())
     missing = [name for name in pipeline.names if name not in state]
     if missing:
         raise ValueError(f"the arrays lack adapter weight {missing[0]!r} of the threat model")
+    unknown = [name for name in state if name not in params]
+    if unknown:
+        raise ValueError(f"the arrays hold {unknown[0]!r}, which the threat model's model does not have")
     with torch.no_grad():
-        for name in pipeline.names:
+        for name in state:
             value = torch.as_tensor(state[name])
             if tuple(value.shape) != tuple(params[name].shape):
                 raise ValueError(f"adapter weight {name!r} has shape {tuple(value.shape)}, the model's is {tuple(params[name].shape)}")
@@ -119,8 +123,9 @@ def make_client_app(pipeline: UpdatePipeline, data: ClientData, lr: float, mods:
         arrays = ArrayRecord(torch_state_dict=new_state)
         if sent is not None:
             sent(client, absolute_round, arrays)
-        sequences = int(batch["input_ids"].shape[1])
-        metrics = MetricRecord({"num-examples": sequences, "update-norm": float(update.norm())})
+        # Only the example count (FedAvg's weights): a metric of the update itself would pass Flower's DP mods,
+        # which act on the arrays alone.
+        metrics = MetricRecord({"num-examples": int(batch["input_ids"].shape[1])})
         return Message(RecordDict({ARRAYS: arrays, METRICS: metrics}), reply_to=msg)
 
     return app

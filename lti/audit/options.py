@@ -24,7 +24,7 @@ class FederationOptions:
         rounds: Federated rounds.
         batch_size: Sequences B in a client's update (overrides the threat model's samples per update).
         lr: Client learning rate: a client returns w - lr * update (FedSGD).
-        seed: Seed of the document split and of the clients' batch draws.
+        seed: Seed of the clients' batch draws (each client holds a fixed, consecutive part of the evaluation split).
     """
 
     clients: int = 4
@@ -85,11 +85,11 @@ class AttackOptions:
     """Which attacks run on which rounds' updates.
 
     Args:
-        rounds: Rounds whose client updates are attacked (1-based); None: every round.
+        rounds: Rounds whose client updates are attacked (1-based); None: every round; []: none (only the federation runs).
         dager: DAGER on every attacked update (the adapters' lora_A span test).
         checkpoint: The server's learned inverter (an `lti fit` checkpoint trained under `threat_model`); None: no learned attack.
         probe_sequences: Measure the inverter's accuracy there (its staleness); 0: only the Flower clients' own updates.
-        samples: Reconstructions shown next to their originals in the report, per round.
+        samples: Clients per round and attack whose reconstructions are shown next to their originals in the report.
     """
 
     rounds: list[int] | None = None
@@ -136,4 +136,5 @@ class AuditOptions:
             raise ValueError(f"utility_sequences={self.utility_sequences} must be >= 1")
 
     def attacked_rounds(self) -> list[int]:
-        return sorted(set(self.attacks.rounds)) if self.attacks.rounds else list(range(1, self.federation.rounds + 1))
+        rounds = self.attacks.rounds
+        return list(range(1, self.federation.rounds + 1)) if rounds is None else sorted(set(rounds))

@@ -69,7 +69,8 @@ def plot_privacy_utility(records: list[dict], path: Path) -> None:
     plt.close(figure)
 
 
-def write_report(out: Path, options: AuditOptions, records: list[dict], learned, seconds: float) -> None:
+def write_report(out: Path, options: AuditOptions, records: list[dict], learned, seconds: float,
+                 notes: list[str] = ()) -> None:
     fed, dp = options.federation, options.flower_dp
     lines = [
         "# Audit report",
@@ -83,6 +84,7 @@ def write_report(out: Path, options: AuditOptions, records: list[dict], learned,
               else f", noise multiplier {dp.noise_multiplier} on the aggregate)")) + ".",
         f"Learned inverter: `{learned.checkpoint}`." if learned is not None else "Learned inverter: none.",
         f"Wall time of this invocation: {seconds / 60:.1f} min.",
+        *notes,
         "",
         "Token accuracy, ROUGE-1/2 (F, %) and exact sequences (%) of each attack on the clients' updates of the round;",
         "'probe': the learned inverter on updates the server simulates for held-out client sequences at the",

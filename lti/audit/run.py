@@ -60,7 +60,8 @@ def flower_mods(options: AuditOptions) -> list:
 
     dp = options.flower_dp
     if dp.mode == "local_dp":
-        return [LocalDpMod(dp.clipping_norm, dp.clipping_norm, dp.epsilon, dp.delta)]
+        # Local DP: any two inputs of a client give clipped updates at most 2C apart (the sensitivity).
+        return [LocalDpMod(dp.clipping_norm, 2 * dp.clipping_norm, dp.epsilon, dp.delta)]
     if dp.mode == "fixed_clipping":
         return [fixedclipping_mod]
     return []
@@ -129,14 +130,28 @@ class Audit:
         self.data = data
         self.server = data.pipeline
         self.clients = client_pipeline(self.server, self.options.federation.batch_size)
+        if data.packing != "blocks":
+            raise ValueError(f"the audit needs data.packing: blocks (every token real); the threat model has {data.packing!r}")
         eval_ids, _ = data.blocks("evaluation")
         self.client_ids = eval_ids
         self.ranges = client_ranges(eval_ids.shape[0], self.options.federation.clients)
         aux_ids, _ = data.blocks("auxiliary")
         self.utility_ids = aux_ids[: self.options.utility_sequences]
         learned = None
+        self.notes: list[str] = []
         if self.options.attacks.checkpoint:
             learned = LearnedInverter(module, data, self.options.attacks.checkpoint)
+            if learned.sequences != self.options.federation.batch_size:
+                self.notes.append(f"The learned inverter was trained on updates of {learned.sequences} sequence(s); "
+                                  f"the clients send {self.options.federation.batch_size}: it is not run on them.")
+            if learned.sequences != 1:
+                self.notes.append("The staleness probe simulates one-sequence updates; this inverter reads "
+                                  f"{learned.sequences}: no probe.")
+        if self.options.flower_dp.mode == "fixed_clipping":
+            self.notes.append("Under fixed clipping the server reads every clipped update before Flower adds noise to "
+                              "the aggregate: ε bounds what the released model leaks, not what the server reads.")
+        for note in self.notes:
+            self.say(note)
         self.attacks = RoundAttacks(self.server, lambda t: data.tokenizer.decode(t), data.seq_len,
                                     self.options.federation.lr, self.options.attacks.dager, learned,
                                     self.options.attacks.samples)
@@ -193,9 +208,12 @@ class Audit:
         if done >= fed.rounds:
             return
         if done == 0:
-            initial = adapter_state(self.server)
+            initial = adapter_state(self.clients)  # every adapter the clients send, in their order
         else:
-            initial = load_file(str(self._round_dir(done) / "after.safetensors"))
+            saved = load_file(str(self._round_dir(done) / "after.safetensors"))
+            # safetensors returns its keys sorted ("layers.10" before "layers.2"); Flower's DP mods refuse a
+            # reply whose keys are not in the order they were sent: send them in the clients' order.
+            initial = {name: saved[name] for name in self.clients.names}
             self.say(f"resuming after round {done}")
         replies: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
         sent_by_round: dict[int, dict[str, torch.Tensor]] = {}
@@ -211,6 +229,9 @@ class Audit:
             state = arrays.to_torch_state_dict()
             utilities[absolute] = self.utility(state)
             if server_round > 0:  # the round's aggregate: the round is whole, record it
+                if absolute not in sent_by_round:
+                    raise RuntimeError(f"round {absolute} was aggregated without the server seeing its client "
+                                       "updates (a Flower strategy wrapper dropped them)")
                 self._record_round(absolute, sent_by_round.pop(absolute), replies.pop(absolute), state,
                                    utilities[absolute - 1], utilities[absolute])
                 bar.update(1)
@@ -281,7 +302,7 @@ class Audit:
         self.simulate()
         self.attack_rounds()
         records = self.records()
-        write_report(self.out, self.options, records, self.attacks.learned, time.perf_counter() - start)
+        write_report(self.out, self.options, records, self.attacks.learned, time.perf_counter() - start, self.notes)
         return records
 
     def records(self) -> list[dict]:

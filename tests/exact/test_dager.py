@@ -450,6 +450,7 @@ def test_dager_reads_lora_a_gradients_when_only_adapters_are_sent(arch, rank, re
 @pytest.mark.parametrize("modules, recovered", [
     (["q_proj", "v_proj"], True),   # FlowerTune's choice: the key block has no adapter and is left out
     (["v_proj"], None),             # no query adapter: the span test cannot run
+    (["q_proj"], None),             # the query alone misses a causal model's first token: not read as "qkv"
 ])
 def test_dager_reads_the_adapters_lora_has_when_it_adapts_only_some_projections(modules, recovered):
     from datamodules.federated import LoRAClient

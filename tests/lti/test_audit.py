@@ -316,3 +316,28 @@ def test_the_report_goes_to_wandb_when_asked(tiny_audit, monkeypatch):
     assert [m["round"] for m in logged[:-1]] == [1, 2] and logged[-1] == "finished"
     assert logged[1]["dager/token_acc"] == records[1]["attacks"]["dager"]["token_acc"]
     assert logged[0]["utility/validation_loss"] == records[0]["utility_after"]
+
+
+def test_a_server_that_observes_a_subset_federates_every_adapter_and_resumes_under_dp(tmp_path):
+    """11 layers: safetensors' sorted keys ("layers.10" before "layers.2") differ from the model's order,
+    which Flower's DP mods require; the server's inverter observes layer 0 only, the clients send all."""
+    overlay = tmp_path / "subset.yaml"
+    overlay.write_text("data:\n  target:\n    init_args:\n      config: {num_hidden_layers: 11, hidden_size: 32, "
+                       "intermediate_size: 64, num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 50257, "
+                       "max_position_embeddings: 64}\n  observed:\n    class_path: datamodules.federated.ParameterSelection\n"
+                       "    init_args: {include: ['*layers.0.*']}\n")
+    options = AuditOptions(threat_model=TINY, threat_model_args=["--config", str(overlay)], out_dir=str(tmp_path / "a"),
+                           federation=FederationOptions(clients=2, rounds=2, lr=0.5),
+                           flower_dp=FlowerDPOptions(mode="local_dp", clipping_norm=1.0, epsilon=1e6),
+                           attacks=AttackOptions(dager=False, probe_sequences=0), utility_sequences=4)
+    first = Audit(options, say=lambda *_: None).run()
+    from safetensors.torch import load_file
+
+    replies = load_file(str(tmp_path / "a" / "rounds" / "r001" / "replies.safetensors"))
+    assert sum(".lora_" in k and k.startswith("c0/") for k in replies) == 11 * 4  # every layer's q/v A and B
+    import shutil
+
+    shutil.rmtree(tmp_path / "a" / "rounds" / "r002")
+    resumed = Audit(options, say=lambda *_: None).run()  # round 2 again, from round 1's aggregate, under LocalDpMod
+    assert [r["round"] for r in resumed] == [1, 2] and resumed[0] == first[0]
+    assert resumed[1]["utility_before"] == first[1]["utility_before"]
