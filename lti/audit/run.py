@@ -277,7 +277,14 @@ class Audit:
     def attack_rounds(self) -> None:
         from tqdm.auto import tqdm
 
-        todo = [r for r in self.options.attacked_rounds() if not (self._round_dir(r) / "attacks.json").exists()]
+        # A round is attacked again when the attack options differ from those its scores were computed with.
+        chosen = _plain(self.options.attacks)
+        chosen.pop("rounds", None)
+        todo = []
+        for r in self.options.attacked_rounds():
+            path = self._round_dir(r) / "attacks.json"
+            if not path.exists() or json.loads(path.read_text()).get("options") != chosen:
+                todo.append(r)
         for r in tqdm(todo, desc="attacking rounds", unit="round", disable=not todo):
             folder = self._round_dir(r)
             sent = load_file(str(folder / "sent.safetensors"))
@@ -290,7 +297,7 @@ class Audit:
             start = time.perf_counter()
             results = self.attacks.attack(sent, replies, batches)
             probe = self.attacks.probe(sent, self.probe_ids) if len(self.probe_ids) else {}
-            _write_json({"round": r, "attacks": results, "probe": probe,
+            _write_json({"round": r, "options": chosen, "attacks": results, "probe": probe,
                          "seconds": time.perf_counter() - start}, folder / "attacks.json")
 
     def run(self) -> list[dict]:
@@ -311,7 +318,9 @@ class Audit:
             folder = self._round_dir(r)
             record = json.loads((folder / "round.json").read_text())
             attacks = folder / "attacks.json"
-            record.update(json.loads(attacks.read_text()) if attacks.exists() else {"attacks": {}, "probe": {}})
+            attacked = attacks.exists() and r in self.options.attacked_rounds()
+            record.update(json.loads(attacks.read_text()) if attacked else {"attacks": {}, "probe": {}})
+            record.pop("options", None)
             out.append(record)
         return out
 

@@ -3,6 +3,7 @@ reads the right update off it, the audit records, resumes and reports, and bad i
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -341,3 +342,15 @@ def test_a_server_that_observes_a_subset_federates_every_adapter_and_resumes_und
     resumed = Audit(options, say=lambda *_: None).run()  # round 2 again, from round 1's aggregate, under LocalDpMod
     assert [r["round"] for r in resumed] == [1, 2] and resumed[0] == first[0]
     assert resumed[1]["utility_before"] == first[1]["utility_before"]
+
+
+def test_a_rerun_with_other_attack_options_attacks_again(tiny_audit, tmp_path):
+    import shutil
+
+    options, out, records = tiny_audit
+    copy = tmp_path / "audit"
+    shutil.copytree(out, copy)
+    again = Audit(AuditOptions(**{**vars(options), "out_dir": str(copy),
+                                  "attacks": AttackOptions(dager=False, probe_sequences=0)}), say=lambda *_: None).run()
+    assert all(r["attacks"] == {} for r in again)  # the stored DAGER scores are not reported as this run's
+    assert json.loads((copy / "rounds" / "r001" / "attacks.json").read_text())["options"]["dager"] is False
