@@ -354,3 +354,23 @@ def test_a_rerun_with_other_attack_options_attacks_again(tiny_audit, tmp_path):
                                   "attacks": AttackOptions(dager=False, probe_sequences=0)}), say=lambda *_: None).run()
     assert all(r["attacks"] == {} for r in again)  # the stored DAGER scores are not reported as this run's
     assert json.loads((copy / "rounds" / "r001" / "attacks.json").read_text())["options"]["dager"] is False
+
+
+@pytest.mark.parametrize("config", sorted(str(p) for p in (REPO / "configs" / "audit").glob("*.yaml")
+                                          if p.read_text().startswith("threat_model:") or "\nthreat_model:" in p.read_text()))
+def test_every_audit_config_parses_and_names_a_threat_model_that_parses(config, capsys):
+    import yaml
+
+    from lti.audit.cli import main as audit_main
+    from lti.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        audit_main(["--config", config, "--print_config"])
+    assert exit_info.value.code in (0, None)
+    parsed = yaml.safe_load(capsys.readouterr().out)
+    assert parsed["federation"]["clients"] >= 4 and parsed["federation"]["rounds"] >= 3
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(REPO / parsed["threat_model"]), "--print_config"])
+    assert exit_info.value.code in (0, None)
+    threat = yaml.safe_load(capsys.readouterr().out)
+    assert threat["data"]["init_args"]["client"]["class_path"] == "datamodules.federated.LoRAClient"
