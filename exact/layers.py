@@ -91,7 +91,8 @@ class ProjectionRef:
         in for the weight's (DAGER's LoRA setting; it spans all the inputs only when the rank r is at
         least the number of tokens). A fused projection's blocks share one adapter, used once. LoRA often
         adapts only some projections (q and v, as FlowerTune does): then the key or value block without an
-        adapter is left out, and the span is read from the adapters there are (the query's is required).
+        adapter is left out, and the span is read from the adapters there are (the query's and at least one
+        of key and value are required).
         """
         parts, adapters, missing = [], set(), []
         for block in self.blocks(which):

@@ -1,7 +1,8 @@
 """`lti SUBCOMMAND ...`: the workbench's command line, a table of subcommands.
 
 `fit`, `validate`, `test` and `predict` are Lightning CLI entry points (`lti.trainer_cli`); `matrix`
-runs a grid of them (`lti.matrix`); `audit` a Flower federation with its attacks (`lti.audit`). This module sits on top: it imports both, and neither imports it.
+runs a grid of them (`lti.matrix`); `audit` a Flower federation with its attacks (`lti.audit`). This
+module sits on top: it imports them, and none imports it.
 """
 
 from __future__ import annotations

@@ -508,7 +508,6 @@ def run(args: list[str] | None = None) -> None:
                 os.environ[variable] = value
 
 
-
 def instantiate(config: str, overrides: list[str] | None = None) -> tuple[LightningModule, LightningDataModule]:
     """The model and DataModule an `lti fit --config CONFIG` would build, without a trainer run (for the
     commands on top: `lti audit` reads its threat model from such a config). Nothing is written."""
