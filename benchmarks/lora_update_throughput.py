@@ -29,6 +29,7 @@ import torch
 
 from datamodules.federated import FedSGDClient, LoRAClient, UpdatePipeline
 from datamodules.targets import HFCausalLM
+from datamodules.targets.base import next_token_loss
 
 VARIANTS = ("loop", "vmap", "ceiling")
 
@@ -55,10 +56,7 @@ def ceiling(pipeline: UpdatePipeline, ids: torch.Tensor) -> None:
     for p in adapters:
         p.requires_grad_(True)
     try:
-        target = pipeline.target
-        logits = target.head(target.body(ids))
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-        torch.autograd.grad(loss, adapters)
+        torch.autograd.grad(next_token_loss(pipeline.target(ids), ids).mean(), adapters)
     finally:
         for p in adapters:
             p.requires_grad_(False)

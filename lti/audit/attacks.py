@@ -8,6 +8,7 @@ and the round's global model; the clients' true sequences are used for scoring a
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -96,21 +97,18 @@ class RoundAttacks:
         self.learned = learned
         self.samples = samples
 
-    def attack(self, sent: dict[str, Tensor], replies: dict[int, dict[str, Tensor]], batches: dict[int, Tensor],
-               progress: Callable[[str], None] = lambda _: None) -> dict[str, dict]:
+    def attack(self, sent: dict[str, Tensor], replies: dict[int, dict[str, Tensor]],
+               batches: dict[int, Tensor]) -> dict[str, dict]:
         """{attack: scores} over the clients' updates of a round. `batches[c]`: (B, L) true ids of client c."""
         load_adapter_state(self.pipeline, sent)
         names = list(self.pipeline.names)
         tallies: dict[str, Tally] = {}
         seconds: dict[str, float] = {}
-        import time
-
         for kept, client in enumerate(sorted(replies)):
             update = observed_update(sent, replies[client], self.lr, names)
             ids = batches[client]
             keep = kept < self.samples
             if self.dager is not None:
-                progress(f"DAGER, client {client}")
                 start = time.perf_counter()
                 split = {name: grads[0] for name, grads in self.pipeline.split(update[None]).items()}
                 result = self.dager.attack(self.pipeline.target, split, batch_size=ids.shape[0], max_length=self.seq_len)
@@ -126,7 +124,6 @@ class RoundAttacks:
                 if "reason" in result.diagnostics:
                     tally.diagnostics.setdefault("reasons", set()).add(str(result.diagnostics["reason"]))
             if self.learned is not None and self.learned.sequences == ids.shape[0]:
-                progress(f"learned inverter, client {client}")
                 features = self.pipeline.hasher(update[None])
                 tokens = self.learned.predict(features)[0].view(ids.shape[0], -1).tolist()
                 tallies.setdefault("learned", Tally()).add(score_batch(tokens, ids, None, self.decode), client, keep)

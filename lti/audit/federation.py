@@ -57,14 +57,12 @@ def client_pipeline(server_pipeline: UpdatePipeline, batch_size: int) -> UpdateP
     lora = copy.copy(pipeline.client)
     lora.local = local
     pipeline.client = lora  # the deep copy's own: its model already carries the adapters
-    every = lora.adapter_names(pipeline.target)
-    if list(pipeline.names) != every:
-        params = dict(pipeline.target.named_parameters())
-        shapes = tuple((name, tuple(params[name].shape)) for name in every)
-        pipeline.names = every
-        # The clients hash nothing the server reads; one bin keeps the pipeline's hashing step cheap.
-        pipeline.spec = Hashing(bins=1).spec(shapes, pipeline.spec.target_fingerprint)
-        pipeline.hasher = FeatureHasher(pipeline.spec)
+    params = dict(pipeline.target.named_parameters())
+    pipeline.names = lora.adapter_names(pipeline.target)
+    shapes = tuple((name, tuple(params[name].shape)) for name in pipeline.names)
+    # The clients hash nothing the server reads: one bin keeps the pipeline's hashing step off their path.
+    pipeline.spec = Hashing(bins=1).spec(shapes, pipeline.spec.target_fingerprint)
+    pipeline.hasher = FeatureHasher(pipeline.spec)
     return pipeline
 
 

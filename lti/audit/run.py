@@ -178,22 +178,16 @@ class Audit:
     @torch.no_grad()
     def utility(self, state: dict[str, torch.Tensor]) -> float:
         """Mean next-token loss of the global model (these adapters) on the server's utility sequences."""
+        from datamodules.federated.protocols.base import model_mode
+        from datamodules.targets.base import next_token_loss
         from lti.audit.federation import load_adapter_state
 
         load_adapter_state(self.server, state)
         target = self.server.target
-        was = target.training
-        target.eval()
-        try:
-            total = 0.0
-            for start in range(0, self.utility_ids.shape[0], 16):
-                ids = self.utility_ids[start : start + 16]
-                logits = target.head(target.body(ids))
-                total += float(torch.nn.functional.cross_entropy(
-                    logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum"))
-            return total / (self.utility_ids.shape[0] * (self.utility_ids.shape[1] - 1))
-        finally:
-            target.train(was)
+        with model_mode(target, "eval"):
+            # Every sequence has the same length: the mean of the per-sequence means is the per-token mean.
+            losses = [next_token_loss(target(ids), ids) for ids in self.utility_ids.split(16)]
+        return float(torch.cat(losses).mean())
 
     def simulate(self) -> None:
         """Run the Flower rounds not yet recorded, recording each round as it ends."""
