@@ -26,6 +26,8 @@ def main() -> None:
     parser.add_argument("--name", required=True)
     parser.add_argument("--curve", nargs=2, action="append", required=True, metavar=("LABEL", "CSV"))
     parser.add_argument("--title", default="")
+    parser.add_argument("--x", choices=["step", "samples"], default="step",
+                        help="x axis: training steps, or training updates seen (`samples`: runs of other batch sizes)")
     args = parser.parse_args()
     import matplotlib
 
@@ -36,16 +38,20 @@ def main() -> None:
     figure, axis = plt.subplots(figsize=(6.5, 4))
     for label, path in args.curve:
         rows = read_curve(Path(path))
-        steps = [int(r["step"]) for r in rows]
+        steps = [int(r[args.x]) for r in rows]
         line, = axis.plot(steps, [100 * float(r[METRICS["token_acc"]]) for r in rows], marker="o", markersize=3, label=label)
         axis.plot(steps, [100 * float(r["val/baseline/token_acc"]) for r in rows], linestyle=":", color=line.get_color(),
                   label=f"{label}: baseline")
-        shutil.copyfile(path, args.out / f"{args.name}_{re.sub(r'[^a-z0-9]+', '_', label.lower()).strip('_')}.csv")
+        copy = args.out / f"{args.name}_{re.sub(r'[^a-z0-9]+', '_', label.lower()).strip('_')}.csv"
+        if copy.resolve() != Path(path).resolve():  # redrawing a figure from its own copies
+            shutil.copyfile(path, copy)
         last = rows[-1]
         print(f"{label:>14}: token acc {100 * float(last[METRICS['token_acc']]):.2f}% (baseline "
               f"{100 * float(last['val/baseline/token_acc']):.2f}%), ROUGE-1 {100 * float(last[METRICS['rouge1']]):.2f}%, "
               f"step {last['step']}, {float(last['wall_minutes']):.1f} min")
-    axis.set_xlabel("training steps (batch 64 updates)")
+    axis.set_xlabel("training steps" if args.x == "step" else "training updates seen")
+    if args.x == "samples":
+        axis.set_xscale("log")
     axis.set_ylabel("held-out token accuracy (%)")
     axis.grid(alpha=0.3)
     axis.legend(fontsize=8)

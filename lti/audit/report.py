@@ -112,7 +112,7 @@ def write_report(out: Path, options: AuditOptions, records: list[dict], learned,
                 lines.append(f"- round {record['round']}, client {sample['client']}, {ATTACK_NAMES.get(name, name)}: "
                              f"`{_one_line(sample['reconstruction'])}` ← `{_one_line(sample['reference'])}`")
     write_text_atomically(out / "report.md", "\n".join(lines) + "\n")
-    write_text_atomically(out / "report.json", json.dumps({"rounds": records, "seconds": seconds}, indent=1) + "\n")
+    write_text_atomically(out / "report.json", json.dumps({"rounds": records, "seconds": seconds, "notes": list(notes)}, indent=1) + "\n")
     plot_leakage(records, out / "leakage_over_rounds.png")
     plot_privacy_utility(records, out / "privacy_utility.png")
     if options.wandb:

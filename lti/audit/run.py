@@ -150,14 +150,22 @@ class Audit:
         if self.options.flower_dp.mode == "fixed_clipping":
             self.notes.append("Under fixed clipping the server reads every clipped update before Flower adds noise to "
                               "the aggregate: ε bounds what the released model leaks, not what the server reads.")
-        for note in self.notes:
-            self.say(note)
         self.attacks = RoundAttacks(self.server, lambda t: data.tokenizer.decode(t), data.seq_len,
                                     self.options.federation.lr, self.options.attacks.dager, learned,
                                     self.options.attacks.samples)
         # Spread over the whole split, so over every client's documents.
         probe = min(self.options.attacks.probe_sequences, eval_ids.shape[0])
         self.probe_ids = eval_ids[torch.linspace(0, eval_ids.shape[0] - 1, probe).long()] if probe else eval_ids[:0]
+        if learned is not None and learned.sequences == 1 and len(self.probe_ids):
+            # What the probe's accuracy is read against: an attack that reads nothing and guesses each
+            # position's most frequent token in the server's data.
+            majority = data.majority_tokens[: self.probe_ids.shape[1]].to(self.probe_ids.device, self.probe_ids.dtype)
+            self.probe_baseline = float((self.probe_ids == majority).float().mean())
+            self.notes.append(f"Staleness probe: {len(self.probe_ids)} held-out sequences spread over the clients' "
+                              f"documents; the per-position majority token of the server's data scores "
+                              f"{100 * self.probe_baseline:.1f}% on them (the baseline of the probe column).")
+        for note in self.notes:
+            self.say(note)
 
     # ---------------------------------------------------------------- the federation
     def _round_dir(self, r: int) -> Path:

@@ -258,12 +258,20 @@ def test_the_learned_inverter_attacks_every_round_and_is_probed_for_staleness(ti
     options = AuditOptions(threat_model=TINY, out_dir=str(tmp_path / "a"), federation=FederationOptions(clients=2, rounds=2),
                            attacks=AttackOptions(dager=False, checkpoint=tiny_inverter, probe_sequences=6, rounds=[2]),
                            utility_sequences=4)
-    records = Audit(options, say=lambda *_: None).run()
+    audit = Audit(options, say=lambda *_: None)
+    records = audit.run()
     assert records[0]["attacks"] == {} and records[0]["probe"] == {}  # round 1 was not asked for
     learned = records[1]["attacks"]["learned"]
     assert learned["sequences"] == 2 and 0.0 <= learned["token_acc"] <= 1.0
     assert records[1]["probe"]["sequences"] == 6
-    assert "learned inverter (LTI)" in (tmp_path / "a" / "report.md").read_text()
+    report = (tmp_path / "a" / "report.md").read_text()
+    assert "learned inverter (LTI)" in report
+    # The probe's baseline, counted here position by position: the majority token of the server's data.
+    majority = audit.data.majority_tokens.tolist()
+    hits = [row[p] == majority[p] for row in audit.probe_ids.tolist() for p in range(len(row))]
+    expected = 100 * sum(hits) / len(hits)
+    assert f"scores {expected:.1f}% on them" in report
+    assert any("Staleness probe: 6 held-out" in n for n in json.loads((tmp_path / "a" / "report.json").read_text())["notes"])
 
 
 def test_an_inverter_of_another_threat_model_is_refused(tiny_inverter, tmp_path):
