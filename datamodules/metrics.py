@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
@@ -181,6 +182,32 @@ def score_batch(
         "certified": bool(certified),
         "pairs": pairs,
     }
+
+
+@dataclass
+class ScoreTotals:
+    """`score_batch` results summed over updates: micro token accuracy (correct / tokens) and per-sequence
+    means of ROUGE and exact matches. The one accumulator of the exact attacks' callbacks and the audit."""
+
+    sequences: int = 0
+    tokens: int = 0
+    correct: int = 0
+    exact: int = 0
+    rouge: dict[str, float] = field(default_factory=lambda: dict.fromkeys(ROUGE_TYPES, 0.0))
+
+    def add(self, scores: dict) -> None:
+        count = scores["count"]
+        self.sequences += count
+        self.tokens += scores["tokens"]
+        self.correct += scores["correct"]
+        self.exact += round(scores["exact_fraction"] * count)
+        for key in ROUGE_TYPES:
+            self.rouge[key] += scores[key] * count
+
+    def means(self) -> dict:
+        n = max(1, self.sequences)
+        return {"token_acc": self.correct / max(1, self.tokens), **{k: v / n for k, v in self.rouge.items()},
+                "exact_fraction": self.exact / n, "sequences": self.sequences}
 
 
 def psnr(mse: Tensor, data_range: float = 1.0, min_mse: float = 1e-10) -> Tensor:

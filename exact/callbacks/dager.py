@@ -23,7 +23,7 @@ from lightning.pytorch import LightningModule, Trainer
 
 from datamodules.attack_data import AttackData
 from datamodules.federated.pipeline import UpdatePipeline
-from datamodules.metrics import ROUGE_TYPES, score_batch
+from datamodules.metrics import ROUGE_TYPES, ScoreTotals, score_batch
 from exact.callbacks.base import ExactAttackCallback
 from exact.dager import Dager, local_step_offsets
 from exact.dager.feasibility import feasibility_notes
@@ -101,8 +101,8 @@ class DagerCallback(ExactAttackCallback):
         count = self._count(updates)
         split = pipeline.split(update[:count])
         decode = data.tokenizer.decode if data.tokenizer is not None else (lambda t: " ".join(map(str, t)))
-        totals = dict.fromkeys(ROUGE_TYPES, 0.0)
-        sequences = tokens = correct = exact = certified = 0
+        totals = ScoreTotals()
+        certified = 0
         records = []
         attack = self._attack_for(pipeline)
         trajectory = self._trajectory(pipeline)
@@ -117,21 +117,16 @@ class DagerCallback(ExactAttackCallback):
             scores = score_batch(
                 result.sequences, ids[u].cpu(), None if mask is None else mask[u].cpu(), decode, result.exact
             )
-            for key in ROUGE_TYPES:
-                totals[key] += scores[key] * scores["count"]
-            sequences += scores["count"]
-            tokens += scores["tokens"]
-            correct += scores["correct"]
-            exact += round(scores["exact_fraction"] * scores["count"])
+            totals.add(scores)
             certified += int(result.exact)
             records.append((u, result, scores))
         seconds = time.perf_counter() - start
         prefix = f"{stage}/dager"
         common = dict(on_step=False, on_epoch=True, sync_dist=True)
-        pl_module.log(f"{prefix}/token_acc", correct / max(1, tokens), batch_size=max(1, tokens), **common)
-        for key in ROUGE_TYPES:
-            pl_module.log(f"{prefix}/{key}", totals[key] / max(1, sequences), batch_size=max(1, sequences), **common)
-        pl_module.log(f"{prefix}/exact_fraction", exact / max(1, sequences), batch_size=max(1, sequences), **common)
+        means, sequences = totals.means(), max(1, totals.sequences)
+        pl_module.log(f"{prefix}/token_acc", means["token_acc"], batch_size=max(1, totals.tokens), **common)
+        for key in (*ROUGE_TYPES, "exact_fraction"):
+            pl_module.log(f"{prefix}/{key}", means[key], batch_size=sequences, **common)
         pl_module.log(f"{prefix}/certified_fraction", certified / max(1, count), batch_size=max(1, count), **common)
         pl_module.log(f"{prefix}/seconds_per_batch", seconds, batch_size=1, **common)
         if self.log_samples and isinstance(getattr(pl_module, "samples", None), list):

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from datamodules.federated import UpdatePipeline
 from datamodules.federated.hashing import HashSpec
-from datamodules.metrics import ROUGE_TYPES, score_batch
+from datamodules.metrics import ScoreTotals, score_batch
 from exact.dager import Dager
 from lti.audit.federation import load_adapter_state
 from lti.checkpoint_files import load_checked
@@ -31,33 +31,22 @@ def observed_update(sent: dict[str, Tensor], returned: dict[str, Tensor], lr: fl
 
 @dataclass
 class Tally:
-    """Scores of one attack summed over updates; `row()` gives the means the report prints."""
+    """One attack's scores over a round's updates (`ScoreTotals`), with the samples and DAGER's modes
+    and diagnostics the report prints; `row()` gives the means."""
 
-    sequences: int = 0
-    tokens: int = 0
-    correct: int = 0
-    exact: int = 0
-    rouge: dict[str, float] = field(default_factory=lambda: dict.fromkeys(ROUGE_TYPES, 0.0))
+    totals: ScoreTotals = field(default_factory=ScoreTotals)
     samples: list[dict] = field(default_factory=list)
     modes: dict[str, int] = field(default_factory=dict)
     diagnostics: dict[str, object] = field(default_factory=dict)
 
     def add(self, scores: dict, client: int, keep_sample: bool) -> None:
-        count = scores["count"]
-        self.sequences += count
-        self.tokens += scores["tokens"]
-        self.correct += scores["correct"]
-        self.exact += round(scores["exact_fraction"] * count)
-        for key in ROUGE_TYPES:
-            self.rouge[key] += scores[key] * count
+        self.totals.add(scores)
         if keep_sample:
             for reconstruction, reference in scores["pairs"]:
                 self.samples.append({"client": client, "reference": reference, "reconstruction": reconstruction})
 
     def row(self) -> dict:
-        n = max(1, self.sequences)
-        return {"token_acc": self.correct / max(1, self.tokens), "rouge1": self.rouge["rouge1"] / n,
-                "rouge2": self.rouge["rouge2"] / n, "exact_fraction": self.exact / n, "sequences": self.sequences}
+        return self.totals.means()
 
 
 class LearnedInverter:

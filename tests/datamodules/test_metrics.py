@@ -2,7 +2,7 @@ import pytest
 import torch
 from rouge_score import rouge_scorer
 
-from datamodules.metrics import RougeScores, TokenAccuracy, rouge_f, token_accuracy
+from datamodules.metrics import RougeScores, ScoreTotals, TokenAccuracy, rouge_f, score_batch, token_accuracy
 from lti.loss import position_loss
 
 
@@ -55,3 +55,22 @@ def test_position_loss_matches_a_per_position_loop_in_float64():
     assert position_loss(logits, target, mask).item() == pytest.approx(total / count, rel=1e-12)
     # Nothing unmasked: zero, not NaN.
     assert position_loss(logits, target, torch.zeros_like(mask)).item() == 0.0
+
+
+def test_score_totals_pool_tokens_and_average_sequences_over_updates():
+    """Two updates (2 and 1 sequences, the last masked to its first two tokens): token accuracy pooled over tokens, ROUGE and exact
+    matches averaged over the three sequences, counted here by hand."""
+    decode = lambda t: " ".join(f"w{i}" for i in t)  # noqa: E731
+    first = score_batch([[1, 2, 3], [4, 5, 6]], torch.tensor([[1, 2, 3], [4, 9, 9]]), None, decode)
+    second = score_batch([[7, 8, 0]], torch.tensor([[7, 0, 0]]), torch.tensor([[1, 1, 0]]), decode)
+    totals = ScoreTotals()
+    totals.add(first)
+    totals.add(second)
+    means = totals.means()
+    assert totals.sequences == 3 and totals.tokens == 8 and totals.correct == 5
+    assert means["token_acc"] == pytest.approx(5 / 8)
+    assert means["exact_fraction"] == pytest.approx(1 / 3)  # only [1, 2, 3] is whole
+    per_sequence = [rouge_f(decode(p), decode(r))["rouge1"] for p, r in
+                    [([1, 2, 3], [1, 2, 3]), ([4, 5, 6], [4, 9, 9]), ([7, 8, 0], [7, 0])]]
+    assert means["rouge1"] == pytest.approx(sum(per_sequence) / 3)
+    assert ScoreTotals().means()["token_acc"] == 0.0  # nothing scored: no division by zero
