@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> dict:
                    local=FedSGDClient("train", 1, "vmap")))
     for pipeline in pipelines.values():
         pipeline.to(device)  # the hashing's bin indices too
-    ids = torch.randint(0, target.vocab_size, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(0)).to(device)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.vocab_size, (args.batch, args.seq_len), generator=generator).to(device)
     batch = {"input_ids": ids[:, None]}
     reference = pipelines["loop"](batch, keep_update=True).update
     fast = pipelines["vmap"](batch, keep_update=True).update

@@ -187,7 +187,7 @@ def score_batch(
 @dataclass
 class ScoreTotals:
     """`score_batch` results summed over updates: micro token accuracy (correct / tokens) and per-sequence
-    means of ROUGE and exact matches. The one accumulator of the exact attacks' callbacks and the audit."""
+    means of ROUGE and exact matches: what the DAGER callback and the audit report."""
 
     sequences: int = 0
     tokens: int = 0

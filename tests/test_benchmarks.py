@@ -130,6 +130,13 @@ def test_compare_curves_prints_each_runs_last_row_and_copies_the_curves(tmp_path
     assert "2 sequences: token acc 55.00% (baseline 5.00%), ROUGE-1 40.00%, step 1000" in capsys.readouterr().out
     assert (tmp_path / "out" / "size_2_sequences.csv").read_text() == curve.read_text()
     assert (tmp_path / "out" / "size.png").stat().st_size > 1000
+    # Redrawn from its own copy, against updates seen: the copy is left as it is.
+    figure = (tmp_path / "out" / "size.png").read_bytes()
+    monkeypatch.setattr(sys, "argv", ["compare_curves", "--out", str(tmp_path / "out"), "--name", "size", "--x", "samples",
+                                      "--curve", "2 sequences", str(tmp_path / "out" / "size_2_sequences.csv")])
+    module.main()
+    assert (tmp_path / "out" / "size_2_sequences.csv").read_text() == curve.read_text()
+    assert (tmp_path / "out" / "size.png").read_bytes() != figure  # another x axis
 
 
 def test_spear_benchmark_skips_a_row_whose_optional_package_is_missing_and_prints_the_rest(monkeypatch, capsys):
@@ -292,3 +299,18 @@ def test_lora_update_throughput_benchmark_checks_vmap_against_the_loop(capsys):
     for row in result["variants"].values():
         assert row["updates_per_s"] == pytest.approx(4 / row["median_s"])
     assert "vmap vs loop" in capsys.readouterr().out
+
+
+def test_lora_update_throughput_smollm2_shape_is_smollm2_135m_without_its_weights():
+    """`--target smollm2_shape` (what a GPU machine without the model package times): SmolLM2-135M's
+    134,515,008 parameters (tied embedding) and its 460,800 LoRA r = 8 q/v coordinates, built on the meta device."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    module = load_benchmark("lora_update_throughput")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **module.SMOLLM2_SHAPE))
+        assert sum(p.numel() for p in model.parameters()) == 134_515_008
+        adapted = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+    assert sum(p.numel() for n, p in adapted.named_parameters() if "lora_" in n) == 460_800

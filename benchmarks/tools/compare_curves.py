@@ -1,5 +1,6 @@
 """Several `lti fit` learning curves on one figure: held-out token accuracy (and the attack-free
-baseline) against training steps.
+baseline) against training steps, or against training updates seen (`--x samples`, log scale: runs of
+other batch sizes on one axis).
 
     python -m benchmarks.tools.compare_curves --out docs/paper_reproduction/sequences --name update_size \
         --curve "1 sequence" runs/reproduction/lti/curve.csv \

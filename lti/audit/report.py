@@ -70,7 +70,9 @@ def plot_privacy_utility(records: list[dict], path: Path) -> None:
 
 
 def write_report(out: Path, options: AuditOptions, records: list[dict], learned, seconds: float,
-                 notes: list[str] = ()) -> None:
+                 notes: list[str] = (), probe_baseline: float | None = None) -> None:
+    """report.md, report.json and the two plots under `out` (and W&B if asked); `probe_baseline`: the
+    per-position majority's token accuracy on the staleness probe's sequences (None: no probe)."""
     fed, dp = options.federation, options.flower_dp
     lines = [
         "# Audit report",
@@ -112,7 +114,8 @@ def write_report(out: Path, options: AuditOptions, records: list[dict], learned,
                 lines.append(f"- round {record['round']}, client {sample['client']}, {ATTACK_NAMES.get(name, name)}: "
                              f"`{_one_line(sample['reconstruction'])}` ← `{_one_line(sample['reference'])}`")
     write_text_atomically(out / "report.md", "\n".join(lines) + "\n")
-    write_text_atomically(out / "report.json", json.dumps({"rounds": records, "seconds": seconds, "notes": list(notes)}, indent=1) + "\n")
+    write_text_atomically(out / "report.json", json.dumps({"rounds": records, "seconds": seconds, "notes": list(notes),
+                                                          "probe_baseline": probe_baseline}, indent=1) + "\n")
     plot_leakage(records, out / "leakage_over_rounds.png")
     plot_privacy_utility(records, out / "privacy_utility.png")
     if options.wandb:

@@ -156,6 +156,7 @@ class Audit:
         # Spread over the whole split, so over every client's documents.
         probe = min(self.options.attacks.probe_sequences, eval_ids.shape[0])
         self.probe_ids = eval_ids[torch.linspace(0, eval_ids.shape[0] - 1, probe).long()] if probe else eval_ids[:0]
+        self.probe_baseline: float | None = None
         if learned is not None and learned.sequences == 1 and len(self.probe_ids):
             # What the probe's accuracy is read against: an attack that reads nothing and guesses each
             # position's most frequent token in the server's data.
@@ -311,7 +312,8 @@ class Audit:
         self.simulate()
         self.attack_rounds()
         records = self.records()
-        write_report(self.out, self.options, records, self.attacks.learned, time.perf_counter() - start, self.notes)
+        write_report(self.out, self.options, records, self.attacks.learned, time.perf_counter() - start, self.notes,
+                     self.probe_baseline)
         return records
 
     def records(self) -> list[dict]:

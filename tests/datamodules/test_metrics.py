@@ -58,8 +58,8 @@ def test_position_loss_matches_a_per_position_loop_in_float64():
 
 
 def test_score_totals_pool_tokens_and_average_sequences_over_updates():
-    """Two updates (2 and 1 sequences, the last masked to its first two tokens): token accuracy pooled over tokens, ROUGE and exact
-    matches averaged over the three sequences, counted here by hand."""
+    """Two updates (2 and 1 sequences, the last masked to its first two tokens): token accuracy pooled over
+    tokens, ROUGE and exact matches averaged over the three sequences, counted here by hand."""
     decode = lambda t: " ".join(f"w{i}" for i in t)  # noqa: E731
     first = score_batch([[1, 2, 3], [4, 5, 6]], torch.tensor([[1, 2, 3], [4, 9, 9]]), None, decode)
     second = score_batch([[7, 8, 0]], torch.tensor([[7, 0, 0]]), torch.tensor([[1, 1, 0]]), decode)

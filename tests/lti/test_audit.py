@@ -172,7 +172,9 @@ def test_an_audit_writes_its_report_and_every_round(tiny_audit):
         assert record["attacks"]["dager"]["sequences"] == 2
         assert math.isfinite(record["utility_after"])
     assert records[1]["utility_before"] == records[0]["utility_after"]
+    assert json.loads((out / "report.json").read_text())["probe_baseline"] is None  # no inverter, no probe
     report = (out / "report.md").read_text()
+    assert "Staleness probe" not in report
     assert "| 2 | DAGER" in report and "## Reconstructions" in report
 
 
@@ -271,7 +273,9 @@ def test_the_learned_inverter_attacks_every_round_and_is_probed_for_staleness(ti
     hits = [row[p] == majority[p] for row in audit.probe_ids.tolist() for p in range(len(row))]
     expected = 100 * sum(hits) / len(hits)
     assert f"scores {expected:.1f}% on them" in report
-    assert any("Staleness probe: 6 held-out" in n for n in json.loads((tmp_path / "a" / "report.json").read_text())["notes"])
+    saved = json.loads((tmp_path / "a" / "report.json").read_text())
+    assert any("Staleness probe: 6 held-out" in note for note in saved["notes"])
+    assert saved["probe_baseline"] == pytest.approx(expected / 100)
 
 
 def test_an_inverter_of_another_threat_model_is_refused(tiny_inverter, tmp_path):
