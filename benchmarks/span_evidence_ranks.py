@@ -9,7 +9,16 @@ tokens ranked among the top m of their position (where a perfect test puts all o
 share a position), the share within the top 100, and the median rank. No learning is involved: this is
 the evidence the hybrid inverter starts from. The last column is an attack without learning: each
 position's m slots take the m distinct best-scoring tokens (`lti.decoding.distinct_slots`), in an
-arbitrary slot order, scored like every attack here (sequences matched to the true ones).
+arbitrary slot order, scored like every attack here (sequences matched to the true ones). "bag": the share
+of an update's distinct true tokens among the m * L tokens whose best score over the positions is highest
+(what the test says without saying where: a RoPE model's first-layer inputs carry no position, so there
+every position scores alike).
+
+    python -m benchmarks.span_evidence_ranks --threat-model configs/audit/inverter_smollm2_lora.yaml --blocks 256
+
+measures the same on the updates of an `lti fit` config's threat model (its target, client, observed
+parameters and defense; m from its client; the first blocks of its evaluation split), e.g. the audit's
+LoRA updates of SmolLM2-135M.
 """
 
 from __future__ import annotations
@@ -30,9 +39,10 @@ DEFENSES = {"none": NoDefense, "sign": Sign, "prune": lambda: TopKPruning(fracti
             "gauss": lambda: GaussianNoise(sigma=0.01)}
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--evaluation-file", required=True, help="held-out text (e.g. WikiText-2 valid.txt)")
+    parser.add_argument("--evaluation-file", help="held-out text (e.g. WikiText-2 valid.txt), for transformer3")
+    parser.add_argument("--threat-model", help="an `lti fit` config: measure on its threat model instead (see above)")
     parser.add_argument("--updates", type=int, default=None, help="updates per m (default: --blocks / m)")
     parser.add_argument("--blocks", type=int, default=1000, help="the first this many blocks, grouped into updates of m")
     parser.add_argument("--chunk", type=int, default=32, help="updates scored at a time")
@@ -41,37 +51,65 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-span-fraction", type=float, default=EvidenceOptions().max_span_fraction)
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
+    if (args.evaluation_file is None) == (args.threat_model is None):
+        parser.error("give --evaluation-file (transformer3) or --threat-model (an lti fit config)")
+    print("| m | defense | updates | true tokens in top m % | in top 100 % | median rank | bag % "
+          "| evidence-only token acc % | s/update |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    if args.threat_model:
+        from lti.trainer_cli import instantiate
 
+        _, data = instantiate(args.threat_model)
+        data.setup("fit")
+        pipeline, m, length = data.pipeline.to(args.device), data.samples_per_update, data.seq_len
+        blocks = data.blocks("evaluation")[0]
+        updates = args.updates if args.updates else args.blocks // m
+        ids = blocks[: updates * m].view(updates, m, length).to(args.device)
+        return [measure(pipeline, ids, "as configured", args)]
     tokenizer = load_tokenizer("embedded-gpt2")
     corpus = LocalCorpus([args.evaluation_file], [args.evaluation_file])
     blocks = pack_blocks(tokenize_splits(corpus.load(), tokenizer)["evaluation"], 16)
-    print("| m | defense | updates | true tokens in top m % | in top 100 % | median rank | evidence-only token acc % | s/update |")
-    print("|---|---|---|---|---|---|---|---|")
+    rows = []
     for m in args.m:
         updates = args.updates if args.updates else args.blocks // m
-        ids_all = blocks[: updates * m].view(updates, m, 16).to(args.device)
+        ids = blocks[: updates * m].view(updates, m, 16).to(args.device)
         for name in args.defenses:
             target = Transformer3(dropout=0.0).to(args.device)
             pipeline = UpdatePipeline(target, FedSGDClient(mode="train", samples_per_update=m), DEFENSES[name]())
-            evidence = SpanEvidence(pipeline.target, list(pipeline.names), m * 16, 16,
-                                    EvidenceOptions(max_span_fraction=args.max_span_fraction))
-            torch.manual_seed(0)
-            ranks, correct, start = [], [], time.perf_counter()
-            for first in range(0, updates, args.chunk):  # chunks bound the (U, L, V) score tensors' memory
-                ids = ids_all[first : first + args.chunk]
-                count = ids.shape[0]
-                scores = evidence(pipeline.split(pipeline({"input_ids": ids}, keep_update=True).update))  # (U, L, V)
-                true = scores.gather(2, ids.transpose(1, 2))  # (U, L, m)
-                ranks.append((scores.unsqueeze(-1) > true.unsqueeze(2)).sum(2).flatten())  # tokens scoring above each
-                slots = scores.unsqueeze(1).expand(-1, m, -1, -1).reshape(count, m * 16, -1)
-                preds = distinct_slots(slots, m).view(count, m, 16)
-                order = match_sequences(preds, ids, torch.ones_like(ids))
-                (matched,) = reorder_sequences(order, ids.reshape(count, -1))
-                correct.append(token_accuracy(preds.reshape(count, -1), matched))
-            seconds = (time.perf_counter() - start) / updates
-            rank, accuracy = torch.cat(ranks).float(), torch.cat(correct).mean()
-            print(f"| {m} | {name} | {updates} | {100 * (rank < m).float().mean():.1f} | {100 * (rank < 100).float().mean():.1f} "
-                  f"| {int(rank.median())} | {100 * accuracy:.1f} | {seconds:.2f} |", flush=True)
+            rows.append(measure(pipeline, ids, name, args))
+    return rows
+
+
+def measure(pipeline: UpdatePipeline, ids_all: torch.Tensor, name: str, args: argparse.Namespace) -> dict:
+    """One table row, printed and returned: the span evidence of the updates of `ids_all` (U, m, L) under `pipeline`."""
+    updates, m, length = ids_all.shape
+    evidence = SpanEvidence(pipeline.target, list(pipeline.names), m * length, length,
+                            EvidenceOptions(max_span_fraction=args.max_span_fraction))
+    torch.manual_seed(0)
+    ranks, correct, bags, start = [], [], [], time.perf_counter()
+    for first in range(0, updates, args.chunk):  # chunks bound the (U, L, V) score tensors' memory
+        ids = ids_all[first : first + args.chunk]
+        count = ids.shape[0]
+        scores = evidence(pipeline.split(pipeline({"input_ids": ids}, keep_update=True).update))  # (U, L, V)
+        true = scores.gather(2, ids.transpose(1, 2))  # (U, L, m)
+        ranks.append((scores.unsqueeze(-1) > true.unsqueeze(2)).sum(2).flatten())  # tokens scoring above each
+        top = scores.amax(1).topk(m * length, dim=1).indices  # (U, m L): the tokens the test puts in the update
+        for u in range(count):
+            truth = set(ids[u].flatten().tolist())
+            bags.append(len(truth & set(top[u].tolist())) / len(truth))
+        slots = scores.unsqueeze(1).expand(-1, m, -1, -1).reshape(count, m * length, -1)
+        preds = distinct_slots(slots, m).view(count, m, length)
+        order = match_sequences(preds, ids, torch.ones_like(ids))
+        (matched,) = reorder_sequences(order, ids.reshape(count, -1))
+        correct.append(token_accuracy(preds.reshape(count, -1), matched))
+    seconds = (time.perf_counter() - start) / updates
+    rank, accuracy, bag = torch.cat(ranks).float(), torch.cat(correct).mean(), sum(bags) / len(bags)
+    print(f"| {m} | {name} | {updates} | {100 * (rank < m).float().mean():.1f} | {100 * (rank < 100).float().mean():.1f} "
+          f"| {int(rank.median())} | {100 * bag:.1f} | {100 * accuracy:.1f} | {seconds:.2f} |", flush=True)
+    return {"m": m, "defense": name, "updates": updates, "top_m": float((rank < m).float().mean()),
+            "top_100": float((rank < 100).float().mean()), "median_rank": int(rank.median()), "bag": bag,
+            "bags": bags, "token_acc": float(accuracy), "seconds_per_update": seconds}
+
 
 if __name__ == "__main__":
     main()

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -83,8 +83,9 @@ class ProjectionRef:
             raise ValueError(f"gradient blocks {which!r} not allowed; use 'q' or 'qkv'")
         return (self.query,) if which == "q" else (self.query, *self.key_value)
 
-    def input_space(self, update: Mapping[str, Tensor], which: str = "qkv") -> Tensor | None:
-        """(d_in, total width) from the update dict, or None if a needed parameter is not observed.
+    def sources(self, observed: Collection[str], which: str = "qkv") -> list[tuple[GradientBlock | None, str]] | None:
+        """The observed parameters the span is read from, as (block, name) with block None for a LoRA
+        adapter's lora_A, or None if `observed` cannot give the span.
 
         A LoRA client sends adapter updates only: for a projection W + B A, dL/dA = B^T dL/dW (up to
         the LoRA scale) has its rows in the span of the layer inputs too, so lora_A's gradient stands
@@ -96,21 +97,29 @@ class ProjectionRef:
         """
         parts, adapters, missing = [], set(), []
         for block in self.blocks(which):
-            grad = update.get(block.param_name)
-            if grad is not None:
-                parts.append(block.input_space(grad))
+            if block.param_name in observed:
+                parts.append((block, block.param_name))
                 continue
             adapter = lora_a_name(block.param_name)
-            if adapter is None or adapter not in update:
+            if adapter is None or adapter not in observed:
                 missing.append(block)
                 continue
             if adapter not in adapters:
                 adapters.add(adapter)
-                parts.append(update[adapter].transpose(0, 1))  # lora_A: (r, d_in)
+                parts.append((None, adapter))
         # The query adapter alone is not enough for "qkv": causal models' first token is only in key/value.
         if missing and (not adapters or self.query in missing or all(b in missing for b in self.key_value)):
             return None
-        return torch.cat(parts, dim=1)
+        return parts
+
+    def input_space(self, update: Mapping[str, Tensor], which: str = "qkv") -> Tensor | None:
+        """(d_in, total width) from the update dict, or None if a needed parameter is not observed (`sources`)."""
+        sources = self.sources(update.keys(), which)
+        if sources is None:
+            return None
+        # lora_A is (r, d_in): its rows are the input-space vectors.
+        return torch.cat([update[name].transpose(0, 1) if block is None else block.input_space(update[name])
+                          for block, name in sources], dim=1)
 
     def names(self, which: str = "qkv") -> list[str]:
         return sorted({b.param_name for b in self.blocks(which)})

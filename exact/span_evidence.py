@@ -74,10 +74,12 @@ class SpanEvidence(nn.Module):
         except ValueError as error:
             raise ValueError(f"model.evidence needs the first attention layer of the target: {error}") from None
         self.first, self.inputs, self.options = layers.first, layers.inputs, options
-        missing = [n for n in self.first.names(options.blocks) if n not in observed]
-        if missing:
-            raise ValueError(f"model.evidence reads the first attention layer's gradient ({', '.join(missing)}), which "
+        sources = self.first.sources(set(observed), options.blocks)
+        if sources is None:
+            raise ValueError(f"model.evidence reads the first attention layer's gradient "
+                             f"({', '.join(self.first.names(options.blocks))}, or its LoRA adapters' lora_A), which "
                              "the server does not observe under data.observed; observe it or disable model.evidence")
+        self.names = [name for _, name in sources]  # what `spans` reads from each update
         if self.inputs.positions is not None and seq_len > self.inputs.num_positions:
             raise ValueError(f"model.evidence: seq_len {seq_len} exceeds the target's {self.inputs.num_positions} positions")
         self.seq_len = seq_len
@@ -86,8 +88,7 @@ class SpanEvidence(nn.Module):
     def spans(self, update: dict[str, Tensor]) -> list[SpanBasis]:
         """One span basis per update of the batched update dict {name: (U, *shape)} (one batched eigendecomposition)."""
         count = next(iter(update.values())).shape[0]
-        names = self.first.names(self.options.blocks)
-        spaces = torch.stack([self.first.input_space({n: update[n][u] for n in names}, self.options.blocks)
+        spaces = torch.stack([self.first.input_space({n: update[n][u] for n in self.names}, self.options.blocks)
                               for u in range(count)])  # (U, d, width)
         g = torch.nan_to_num(spaces.detach().double(), nan=0.0, posinf=0.0, neginf=0.0)
         # The left singular vectors of g are the eigenvectors of g g^T (d x d). Small batched

@@ -286,7 +286,25 @@ def test_span_evidence_ranks_finds_every_token_of_an_undefended_one_sequence_upd
     module.main(["--evaluation-file", str(corpus_files["evaluation"]), "--updates", "1", "--m", "1", "--defenses", "none"])
     (row,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1 | none")]
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[2] == "1" and cells[3] == "100.0" and cells[5] == "0" and cells[6] == "100.0"
+    assert cells[2] == "1" and cells[3] == "100.0" and cells[5] == "0" and cells[6] == "100.0" and cells[7] == "100.0"
+
+
+def test_span_evidence_ranks_on_lora_updates_finds_every_token_but_the_last(tmp_path, monkeypatch):
+    """`--threat-model` on the tiny LoRA Llama (B = 1, r = 8 on q and v, 8 tokens): lora_A's rows span the
+    first-layer inputs of every token that receives a gradient, which is every token but the last (a causal
+    model's last input predicts nothing and nothing attends to it). So the bag holds exactly the distinct
+    tokens of the first L - 1 positions; RoPE gives the inputs no position, so every position scores alike."""
+    from lti.trainer_cli import instantiate
+
+    monkeypatch.setenv("LTI_CACHE_DIR", str(tmp_path))
+    config = str(REPO / "configs" / "audit" / "tiny_llama_lora.yaml")
+    (row,) = load_benchmark("span_evidence_ranks").main(["--threat-model", config, "--blocks", "6"])
+    _, data = instantiate(config)
+    data.setup("fit")
+    blocks = data.blocks("evaluation")[0][:6].tolist()
+    expected = [len(set(b[:-1])) / len(set(b)) for b in blocks]
+    assert row["updates"] == 6 and row["bags"] == pytest.approx(expected)
+    assert row["top_m"] <= 1 / 2  # one top token for every position: at most the repeats of one token score
 
 
 def test_lora_update_throughput_benchmark_checks_vmap_against_the_loop(capsys):
