@@ -83,3 +83,17 @@ def test_a_checkpoint_that_saved_its_decoding_does_not_override_the_command_line
     monkeypatch.setattr("lti.module.decode", lambda logits, m, rule: rules.append(rule) or decode(logits, m, rule))
     main(["validate", "--config", str(config), "--ckpt_path", str(old), "--model.decoding", "distinct"])
     assert rules and set(rules) == {"distinct"}
+
+
+def test_fit_with_evidence_reads_lora_adapters(tmp_path, monkeypatch):
+    """The hybrid on a LoRA threat model (the audit's tiny Llama, q/v adapters): the span is read from the
+    observed lora_A gradients, training runs and the evidence weights learn."""
+    from conftest import REPO
+
+    monkeypatch.setenv("LTI_CACHE_DIR", str(tmp_path / "cache"))
+    main(["fit", "--config", str(REPO / "configs" / "audit" / "tiny_llama_lora.yaml"), "--model.evidence.enabled", "true",
+          "--data.keep_eval_updates", "true", "--model.lr", "0.05", "--trainer.max_steps", "3",
+          "--trainer.val_check_interval", "3", "--data.eval_samples", "4", "--data.batch_size", "4",
+          "--trainer.default_root_dir", str(tmp_path / "run"), "--checkpoint.dirpath", str(tmp_path / "ckpt")])
+    state = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["state_dict"]
+    assert float(state["evidence_prior.slope"].abs()) > 0 or float(state["evidence_prior.hinges"].abs().sum()) > 0
