@@ -317,12 +317,12 @@ class Audit:
         return records
 
     def records(self) -> list[dict]:
-        out = []
+        out, asked = [], set(self.options.attacked_rounds())
         for r in range(1, self.options.federation.rounds + 1):
             folder = self._round_dir(r)
             record = json.loads((folder / "round.json").read_text())
             attacks = folder / "attacks.json"
-            attacked = attacks.exists() and r in self.options.attacked_rounds()
+            attacked = attacks.exists() and r in asked
             record.update(json.loads(attacks.read_text()) if attacked else {"attacks": {}, "probe": {}})
             record.pop("options", None)
             out.append(record)
