@@ -32,6 +32,7 @@ import torch
 from datamodules.federated import FedSGDClient, LoRAClient, UpdatePipeline
 from datamodules.targets import HFCausalLM
 from datamodules.targets.base import next_token_loss
+from lti.atomic_files import write_text_atomically
 
 VARIANTS = ("loop", "vmap", "ceiling")
 
@@ -128,8 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"args": vars(args), "observed_dim": pipelines["loop"].observed_dim, "vmap_vs_loop_error": error,
               "variants": rows}
     if args.json:
-        with open(args.json, "w") as file:
-            json.dump(result, file, indent=1)
+        write_text_atomically(args.json, json.dumps(result, indent=1))
     return result
 
 
