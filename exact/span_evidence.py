@@ -85,11 +85,16 @@ class SpanEvidence(nn.Module):
         self.seq_len = seq_len
         self.max_rank = min(tokens_per_update, int(math.floor(options.max_span_fraction * self.inputs.dim)))
 
+    def input_spaces(self, update: dict[str, Tensor]) -> Tensor:
+        """(U, d, width): each update's first-layer gradient as columns in the input space."""
+        count = next(iter(update.values())).shape[0]
+        return torch.stack([self.first.input_space({n: update[n][u] for n in self.names}, self.options.blocks)
+                            for u in range(count)])
+
     def spans(self, update: dict[str, Tensor]) -> list[SpanBasis]:
         """One span basis per update of the batched update dict {name: (U, *shape)} (one batched eigendecomposition)."""
-        count = next(iter(update.values())).shape[0]
-        spaces = torch.stack([self.first.input_space({n: update[n][u] for n in self.names}, self.options.blocks)
-                              for u in range(count)])  # (U, d, width)
+        spaces = self.input_spaces(update)  # (U, d, width)
+        count = spaces.shape[0]
         g = torch.nan_to_num(spaces.detach().double(), nan=0.0, posinf=0.0, neginf=0.0)
         # The left singular vectors of g are the eigenvectors of g g^T (d x d). Small batched
         # decompositions run one matrix at a time on a GPU (milliseconds each), so they run on the CPU.
@@ -98,6 +103,15 @@ class SpanEvidence(nn.Module):
         left = vectors.flip(-1).to(spaces.device)
         numerical = numerical_ranks(s, self.options.rank_tol).tolist()
         return [SpanBasis(left[u], s[u], numerical[u], min(numerical[u], self.max_rank)) for u in range(count)]
+
+    def ranges(self, update: dict[str, Tensor]) -> list[Tensor]:
+        """Each update's capped span as an orthonormal (d, rank) basis: the range of `spans`, from a thin
+        SVD (d * width^2, not the d^3 of a full basis: LoRA's 2r columns are far fewer than d)."""
+        spaces = self.input_spaces(update)
+        g = torch.nan_to_num(spaces.detach().double(), nan=0.0, posinf=0.0, neginf=0.0)
+        left, s, _ = torch.linalg.svd(g.cpu(), full_matrices=False)  # one matrix at a time on a GPU: on the CPU
+        ranks = numerical_ranks(s, self.options.rank_tol).clamp_max(self.max_rank).tolist()
+        return [left[u, :, : ranks[u]].to(spaces.device) for u in range(len(ranks))]
 
     def distances(self, update: dict[str, Tensor], tokens: Tensor | None = None, chunk: int = 8) -> Tensor:
         """(U, L, V) distance of every token (or (U, L, C) of the token ids `tokens`, (C,)) at every
@@ -143,3 +157,73 @@ class SpanEvidence(nn.Module):
         log_distance = torch.log(self.distances(update, tokens) + DISTANCE_FLOOR)
         base = log_distance if reference is None else log_distance[..., reference]
         return base.mean(-1, keepdim=True) - log_distance
+
+
+
+@dataclass
+class Candidates:
+    """The tokens a position-free span test puts in each update, and what the span says of each.
+
+    For a target whose first-layer input carries no position (RoPE: SmolLM2, Llama), the span test
+    names the update's bag of tokens but not their order. Part of the order is in the gradient itself:
+    each span row is sum_t a_t x_t over the update's token inputs x_t, and a_t (the gradient reaching
+    position t, through the LoRA B matrix for an adapter) depends on where t stands: the first
+    position's query gradient vanishes, early keys and values collect the attention of every later
+    query. Solving for a over the candidates gives each candidate a position-bearing signature.
+    """
+
+    ids: Tensor  #: (U, K) token ids, the closest to each update's span first
+    scores: Tensor  #: (U, K) span scores (the vocabulary's mean log-distance minus the token's)
+    coefficients: Tensor  #: (U, K, width) the candidates' least-squares coefficients in the span rows, over their norm
+
+
+class CandidateEvidence:
+    """`count` candidates per update from a position-free first layer (`Candidates`), in batches.
+
+    Every token's first-layer input is the same at every position, so the inputs of the whole
+    vocabulary are computed once (V, d) and each batch's distances are one product with the
+    updates' span ranges: ||x||^2 - ||R^T x||^2, in float64 (the range branch of DAGER's
+    `token_distances`, which this is tested against).
+    """
+
+    def __init__(self, evidence: SpanEvidence, count: int, chunk: int = 16) -> None:
+        inputs = evidence.inputs
+        if inputs.positions is not None:
+            raise ValueError("candidate evidence is for targets whose first-layer input carries no position (RoPE "
+                             "models); a target with position embeddings scores every position apart: use model.evidence")
+        if not 0 < count <= inputs.vocab_size:
+            raise ValueError(f"candidate count {count} must be in [1, {inputs.vocab_size}] (the vocabulary)")
+        self.evidence, self.count, self.chunk = evidence, count, chunk
+        self._inputs: Tensor | None = None
+
+    def vocabulary_inputs(self, device: torch.device) -> Tensor:
+        """(V, d) float64: every token's first-layer input (computed once)."""
+        if self._inputs is None or self._inputs.device != device:
+            inputs = self.evidence.inputs
+            ids = torch.arange(inputs.vocab_size, device=inputs.embedding.device)
+            self._inputs = inputs(ids, None).detach().to(device)
+        return self._inputs
+
+    def __call__(self, update: dict[str, Tensor]) -> Candidates:
+        spaces = torch.nan_to_num(self.evidence.input_spaces(update).detach().double())  # (U, d, width)
+        bases = self.evidence.ranges(update)
+        x = self.vocabulary_inputs(spaces.device)
+        x_sq = x.pow(2).sum(1)  # (V,)
+        ids, scores, coefficients = [], [], []
+        for start in range(0, len(bases), self.chunk):
+            chunk = bases[start : start + self.chunk]
+            rank = max(b.shape[1] for b in chunk)
+            # Each range padded with zero columns to the chunk's largest rank: the padding projects to 0.
+            ranges = torch.stack([torch.nn.functional.pad(b.to(x), (0, rank - b.shape[1])) for b in chunk])
+            projected = torch.matmul(x, ranges).pow(2).sum(-1)  # (c, V)
+            distance = ((x_sq - projected).clamp_min(0) / x_sq.clamp_min(1e-300)).sqrt()
+            log_distance = torch.log(distance + DISTANCE_FLOOR)
+            score = log_distance.mean(1, keepdim=True) - log_distance
+            top = score.topk(self.count, dim=1)  # (c, K)
+            chosen = x[top.indices]  # (c, K, d)
+            solution = torch.linalg.lstsq(chosen.transpose(1, 2), spaces[start : start + len(chunk)]).solution  # (c, K, width)
+            norm = solution.flatten(1).norm(dim=1).clamp_min(1e-300)[:, None, None]
+            ids.append(top.indices)
+            scores.append(top.values.float())
+            coefficients.append((solution / norm).float())
+        return Candidates(torch.cat(ids), torch.cat(scores), torch.cat(coefficients))

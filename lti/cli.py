@@ -1,7 +1,8 @@
 """`lti SUBCOMMAND ...`: the workbench's command line, a table of subcommands.
 
 `fit`, `validate`, `test` and `predict` are Lightning CLI entry points (`lti.trainer_cli`); `matrix`
-runs a grid of them (`lti.matrix`); `audit` a Flower federation with its attacks (`lti.audit`). This
+runs a grid of them (`lti.matrix`); `audit` a Flower federation with its attacks (`lti.audit`); `candidates` the candidate-pointer
+attack (`lti.candidates`). This
 module sits on top: it imports them, and none imports it.
 """
 
@@ -44,6 +45,12 @@ def _matrix(argv: list[str]) -> None:
     matrix_main(argv[1:])
 
 
+def _candidates(argv: list[str]) -> None:
+    from lti.candidates.cli import main as candidates_main
+
+    candidates_main(argv[1:])
+
+
 def _audit(argv: list[str]) -> None:
     from lti.audit.cli import main as audit_main
 
@@ -53,7 +60,7 @@ def _audit(argv: list[str]) -> None:
 #: subcommand -> handler of the whole argument list (the subcommand included).
 SUBCOMMANDS: dict[str, Callable[[list[str]], None]] = {
     "fit": _trainer, "validate": _trainer, "test": _trainer, "predict": _trainer, "matrix": _matrix,
-    "audit": _audit,
+    "audit": _audit, "candidates": _candidates,
 }
 
 

@@ -1,0 +1,118 @@
+"""`lti candidates build|fit`: the candidate-pointer attack's two commands.
+
+    lti candidates build --config configs/audit/inverter_smollm2_lora.yaml --split auxiliary --out runs/candidates/aux.safetensors
+    lti candidates build --config configs/audit/inverter_smollm2_lora.yaml --split evaluation --limit 512 --out runs/candidates/eval.safetensors
+    lti candidates fit --train runs/candidates/aux.safetensors --eval runs/candidates/eval.safetensors --out_dir runs/candidates/fit
+
+`build` simulates one update per block under the config's threat model (its target, client, defense)
+and stores each update's candidates; `fit` trains the pointer on the training file's and evaluates on
+the evaluation file's (held-out client text), writing `curve.csv`, checkpoints, the final weights
+(`pointer.safetensors`) and `result.json` (the last evaluation, never the best) to --out_dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from lti.atomic_files import write_text_atomically
+
+
+def _build(args: argparse.Namespace) -> None:
+    from lti.candidates.evidence_file import build
+
+    for path in build(args.config, args.split, args.out, args.count, args.limit, args.overrides, args.batch,
+                      args.device, args.shards):
+        print(f"wrote {path}")
+
+
+def _fit(args: argparse.Namespace, argv: list[str]) -> None:
+    import torch
+    from lightning.pytorch import Trainer, seed_everything
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lti.candidates.module import CandidateData, CandidatePointerModule
+    from lti.candidates.pointer import save_pointer
+    from lti.console import StepProgressBar
+    from lti.curves import LearningCurve
+    from lti.trainer_cli import instantiate, use_atomic_checkpoints
+
+    seed_everything(args.seed)
+    data = CandidateData(args.train, args.eval, args.batch_size, args.holdout)
+    meta = data.train_set.metadata
+    _, threat = instantiate(meta["config"], json.loads(meta["overrides"]))  # the target's embedding and tokenizer
+    module = CandidatePointerModule(threat.pipeline.target.embedding_matrix, int(meta["coefficient_width"]),
+                                    int(meta["seq_len"]), args.hidden, args.layers, args.heads, args.dropout, args.lr,
+                                    args.weight_decay, args.max_steps, decode=threat.decode)
+    out = Path(args.out_dir)
+    trainer = Trainer(accelerator=args.accelerator, devices=1, max_steps=args.max_steps, max_time=args.max_time,
+                      val_check_interval=args.val_every, check_val_every_n_epoch=None, num_sanity_val_steps=0,
+                      logger=CSVLogger(out, name="logs"), default_root_dir=out, precision=args.precision,
+                      callbacks=[LearningCurve(str(out / "curve.csv")), StepProgressBar(),
+                                 ModelCheckpoint(out / "checkpoints", save_last=True, every_n_train_steps=args.val_every)])
+    use_atomic_checkpoints(trainer)
+    start = time.perf_counter()
+    trainer.fit(module, datamodule=data, ckpt_path=args.ckpt_path)
+    trainer.validate(module, datamodule=data, verbose=False)  # the final weights, whatever the last interval
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+    result = {"command": "lti candidates " + " ".join(argv), "steps": trainer.global_step,
+              "wall_minutes": round((time.perf_counter() - start) / 60, 2), "train_blocks": len(data.train_set),
+              "eval_blocks": len(data.eval_set), "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              **metrics}
+    if data.holdout_set is not None:
+        result["holdout_blocks"] = len(data.holdout_set)
+    save_pointer(module.pointer, out / "pointer.safetensors", meta)
+    write_text_atomically(out / "result.json", json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lti candidates", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="simulate updates and store their span-test candidates")
+    b.add_argument("--config", required=True, help="an `lti fit` config: its threat model makes the updates")
+    b.add_argument("--split", default="auxiliary", help="the DataModule split whose blocks become updates")
+    b.add_argument("--out", required=True, help="the .safetensors file to write")
+    b.add_argument("--count", type=int, default=32, help="candidates per update (K)")
+    b.add_argument("--limit", type=int, default=None, help="only the split's first LIMIT blocks")
+    b.add_argument("--batch", type=int, default=64, help="updates simulated at once")
+    b.add_argument("--device", default="cpu")
+    b.add_argument("--shards", type=int, default=1, help="split the output into this many files")
+    b.add_argument("overrides", nargs="*", help="`lti fit` overrides of the config (after --)")
+    f = sub.add_parser("fit", help="train the pointer and evaluate it on held-out candidates")
+    f.add_argument("--train", nargs="+", required=True, help="training candidate files (the server's text)")
+    f.add_argument("--eval", nargs="+", required=True, help="evaluation candidate files (held-out client text)")
+    f.add_argument("--out_dir", required=True)
+    f.add_argument("--max_steps", type=int, default=10_000)
+    f.add_argument("--max_time", default=None, help="DD:HH:MM:SS: stop earlier")
+    f.add_argument("--val_every", type=int, default=500)
+    f.add_argument("--batch_size", type=int, default=128)
+    f.add_argument("--hidden", type=int, default=256)
+    f.add_argument("--layers", type=int, default=4)
+    f.add_argument("--heads", type=int, default=4)
+    f.add_argument("--dropout", type=float, default=0.1)
+    f.add_argument("--lr", type=float, default=3e-4)
+    f.add_argument("--weight_decay", type=float, default=0.01)
+    f.add_argument("--accelerator", default="cpu")
+    f.add_argument("--precision", default="32-true")
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--ckpt_path", default=None, help="resume from this checkpoint")
+    f.add_argument("--holdout", type=int, default=0,
+                   help="keep the training files' last HOLDOUT blocks out of training (to choose decoding settings on)")
+    return p
+
+
+def main(argv: list[str]) -> None:
+    args = parser().parse_args(argv)
+    try:
+        if args.command == "build":
+            _build(args)
+        else:
+            _fit(args, argv)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"lti candidates: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None

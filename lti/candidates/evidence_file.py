@@ -1,0 +1,120 @@
+"""Candidate evidence files: the span test's candidates of many simulated updates, computed once.
+
+A threat model whose updates are deterministic (no dropout, B = 1: one update per text block) gives
+the same candidates each time a block comes round, so the server computes them once per block
+(`build`) and the pointer trains on them for as many epochs as it likes. A file is safetensors
+(`ids`, `scores`, `coefficients`, `truth`) with the threat model in its metadata; it is written whole
+and renamed into place. `load` refuses files of different threat models or candidate counts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from exact.span_evidence import CandidateEvidence, SpanEvidence
+from lti.atomic_files import atomic_writer
+
+FORMAT = "lti-candidates-1"
+#: Metadata that must agree between the files one run reads.
+SHARED = ("format", "config", "overrides", "count", "seq_len", "coefficient_width", "vocab_size")
+
+
+@dataclass
+class EvidenceSet:
+    ids: Tensor  #: (N, K) int64
+    scores: Tensor  #: (N, K) float32
+    coefficients: Tensor  #: (N, K, width) float16
+    truth: Tensor  #: (N, L) int64: the true tokens, read for the loss and scores only
+    metadata: dict
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
+
+    def head(self, count: int) -> EvidenceSet:
+        return EvidenceSet(self.ids[:count], self.scores[:count], self.coefficients[:count], self.truth[:count], self.metadata)
+
+    def tail(self, count: int) -> EvidenceSet:
+        start = len(self) - count
+        return EvidenceSet(self.ids[start:], self.scores[start:], self.coefficients[start:], self.truth[start:], self.metadata)
+
+
+def shard_paths(out: str | Path, shards: int) -> list[Path]:
+    out = Path(out)
+    if out.suffix != ".safetensors":
+        raise ValueError(f"--out {out} must end in .safetensors")
+    if shards == 1:
+        return [out]
+    return [out.with_name(f"{out.stem}.{i:02d}-of-{shards:02d}.safetensors") for i in range(shards)]
+
+
+def build(config: str, split: str, out: str | Path, count: int = 32, limit: int | None = None,
+          overrides: Sequence[str] = (), batch: int = 64, device: str = "cpu", shards: int = 1) -> list[Path]:
+    """Simulate the update of each of the first `limit` blocks of `split` under the `lti fit` config's
+    threat model and store its `count` candidates. Returns the files written."""
+    from lti.trainer_cli import instantiate  # the CLI layer builds the threat model from a config
+
+    paths = shard_paths(out, shards)
+    if shards < 1:
+        raise ValueError(f"--shards {shards} must be >= 1")
+    _, data = instantiate(config, list(overrides))
+    if data.samples_per_update != 1:
+        raise ValueError(f"candidate evidence reads updates of one sequence; the config's client sends "
+                         f"{data.samples_per_update} (data.client samples_per_update)")
+    data.setup("fit")
+    pipeline = data.pipeline.to(device)
+    blocks, mask = data.blocks(split)
+    if limit is not None:
+        blocks, mask = blocks[:limit], mask[:limit]
+    if not bool(mask.all()):
+        raise ValueError(f"the {split} split has padded blocks; candidate evidence needs full blocks")
+    evidence = SpanEvidence(pipeline.target, list(pipeline.names), data.seq_len, data.seq_len)
+    candidates = CandidateEvidence(evidence, count)
+    parts: dict[str, list[Tensor]] = {"ids": [], "scores": [], "coefficients": []}
+    for start in tqdm(range(0, len(blocks), batch), desc=f"candidates of {split}", unit="batch"):
+        ids = blocks[start : start + batch].to(device)
+        update = pipeline.split(pipeline({"input_ids": ids[:, None]}, keep_update=True).update)
+        found = candidates(update)
+        parts["ids"].append(found.ids.to(torch.int32).cpu())
+        parts["scores"].append(found.scores.cpu())
+        parts["coefficients"].append(found.coefficients.half().cpu())
+    tensors = {k: torch.cat(v) for k, v in parts.items()}
+    tensors["truth"] = blocks.to(torch.int32)
+    metadata = {"format": FORMAT, "config": str(config), "overrides": json.dumps(list(overrides)), "split": split,
+                "count": str(count), "seq_len": str(data.seq_len), "vocab_size": str(evidence.inputs.vocab_size),
+                "coefficient_width": str(tensors["coefficients"].shape[-1]), "blocks": str(len(blocks))}
+    for path, index in zip(paths, torch.arange(len(blocks)).tensor_split(len(paths))):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_writer(path) as f:
+            f.write(save({k: v[index].contiguous() for k, v in tensors.items()}, metadata=metadata))
+    return paths
+
+
+def load(paths: Sequence[str | Path]) -> EvidenceSet:
+    """The files' candidates, concatenated; a one-line error for a missing file, another format or
+    files of different threat models."""
+    if not paths:
+        raise ValueError("no candidate evidence files given")
+    parts, first = [], None
+    for path in paths:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"candidate evidence file {path} does not exist (lti candidates build writes it)")
+        with safe_open(str(path), "pt") as f:
+            metadata = f.metadata() or {}
+            if metadata.get("format") != FORMAT:
+                raise ValueError(f"{path} is not a candidate evidence file (format {metadata.get('format')!r})")
+            first = first or (path, metadata)
+            differ = [k for k in SHARED if metadata.get(k) != first[1].get(k)]
+            if differ:
+                raise ValueError(f"{path} and {first[0]} differ in {', '.join(differ)}: files of one threat model only")
+            parts.append({k: f.get_tensor(k) for k in ("ids", "scores", "coefficients", "truth")})
+    cat = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    return EvidenceSet(cat["ids"].long(), cat["scores"].float(), cat["coefficients"], cat["truth"].long(), dict(first[1]))
