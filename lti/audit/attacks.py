@@ -1,4 +1,5 @@
-"""The server's attacks on one round's client updates: DAGER and the learned inverter, scored alike.
+"""The server's attacks on one round's client updates: DAGER, the learned inverter and the candidate
+pointer, scored alike.
 
 The server reads each client's update off the arrays Flower delivered: a client returned w - lr * u,
 so u = (w - returned) / lr at the round's global weights w (computed in float64; the float32 rounding
@@ -8,9 +9,11 @@ and the round's global model; the clients' true sequences are used for scoring a
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -76,14 +79,45 @@ class LearnedInverter:
         return self.module(features.float()).argmax(-1)
 
 
+class PointerAttack:
+    """An `lti candidates fit` pointer bound to the audit's threat model: the span test's candidates of
+    each update (`exact.span_evidence.CandidateEvidence`), ordered by the pointer, decoded by `rule`."""
+
+    def __init__(self, path: str, pipeline: UpdatePipeline, seq_len: int, threat_model: str, threat_model_args: list[str],
+                 rule: str = "argmax", lm_weight: float = 0.5) -> None:
+        from exact.span_evidence import CandidateEvidence, SpanEvidence
+        from lti.candidates.pointer import load_pointer
+
+        self.pointer, trained_on = load_pointer(path, pipeline.target.embedding_matrix)
+        same = (Path(trained_on.get("config", "")).resolve() == Path(threat_model).resolve()
+                and json.loads(trained_on.get("overrides", "[]")) == list(threat_model_args)
+                and int(trained_on.get("seq_len", -1)) == seq_len)
+        if not same:
+            raise ValueError(f"attacks.pointer {path} was trained on candidates of {trained_on.get('config')} "
+                             f"{trained_on.get('overrides')}, not of the audit's threat model")
+        evidence = SpanEvidence(pipeline.target, list(pipeline.names), seq_len, seq_len)
+        self.candidates = CandidateEvidence(evidence, int(trained_on["count"]))
+        self.pipeline, self.rule, self.lm_weight, self.path = pipeline, rule, lm_weight, path
+
+    @torch.no_grad()
+    def predict(self, update: dict[str, Tensor]) -> Tensor:
+        """{name: (U, *shape)} one-sequence updates -> (U, L) token ids."""
+        from lti.candidates.decoding import decode_candidates
+
+        found = self.candidates(update)
+        # The pointer trained on coefficients stored in float16: it reads them rounded alike.
+        logits = self.pointer(found.ids, found.scores, found.coefficients.half().float())
+        return decode_candidates(found.ids, logits, self.rule, self.pipeline.target.model, self.lm_weight)
+
+
 class RoundAttacks:
     """Runs the chosen attacks on one round's updates with the server's pipeline at that round's weights."""
 
     def __init__(self, pipeline: UpdatePipeline, decode: Callable[[list[int]], str], seq_len: int, lr: float,
-                 dager: bool, learned: LearnedInverter | None, samples: int) -> None:
+                 dager: bool, learned: LearnedInverter | None, samples: int, pointer: PointerAttack | None = None) -> None:
         self.pipeline, self.decode, self.seq_len, self.lr = pipeline, decode, seq_len, lr
         self.dager = Dager() if dager else None
-        self.learned = learned
+        self.learned, self.pointer = learned, pointer
         self.samples = samples
 
     def attack(self, sent: dict[str, Tensor], replies: dict[int, dict[str, Tensor]],
@@ -116,6 +150,11 @@ class RoundAttacks:
                 features = self.pipeline.hasher(update[None])
                 tokens = self.learned.predict(features)[0].view(ids.shape[0], -1).tolist()
                 tallies.setdefault("learned", Tally()).add(score_batch(tokens, ids, None, self.decode), client, keep)
+            if self.pointer is not None and ids.shape[0] == 1:
+                start = time.perf_counter()
+                tokens = self.pointer.predict(self.pipeline.split(update[None])).tolist()
+                seconds["pointer"] = seconds.get("pointer", 0.0) + time.perf_counter() - start
+                tallies.setdefault("pointer", Tally()).add(score_batch(tokens, ids, None, self.decode), client, keep)
         out = {}
         for name, tally in tallies.items():
             out[name] = {**tally.row(), "samples": tally.samples}
@@ -128,18 +167,24 @@ class RoundAttacks:
         return out
 
     @torch.no_grad()
-    def probe(self, sent: dict[str, Tensor], ids: Tensor, chunk: int = 32) -> dict:
-        """The learned inverter on the updates the server simulates for `ids` (N, L) held-out sequences, one
-        per update, at this round's global weights: its accuracy there, i.e. how stale it is."""
-        if self.learned is None or self.learned.sequences != 1:
+    def probe(self, sent: dict[str, Tensor], ids: Tensor, chunk: int = 32) -> dict[str, dict]:
+        """The learned attacks on the updates the server simulates for `ids` (N, L) held-out sequences, one
+        per update, at this round's global weights: their accuracy there, i.e. how stale they are.
+        {"learned": scores, "pointer": scores}, each only where that attack runs."""
+        attacks = {}
+        if self.learned is not None and self.learned.sequences == 1:
+            attacks["learned"] = lambda observed: self.learned.predict(observed.features)
+        if self.pointer is not None:
+            attacks["pointer"] = lambda observed: self.pointer.predict(self.pipeline.split(observed.update))
+        if not attacks:
             return {}
         load_adapter_state(self.pipeline, sent)
-        tally = Tally()
+        tallies = {name: Tally() for name in attacks}
         for start in range(0, ids.shape[0], chunk):
             batch = ids[start : start + chunk]
             generator = torch.Generator().manual_seed(start)
-            features = self.pipeline({"input_ids": batch[:, None]}, generator=generator).features
-            predictions = self.learned.predict(features)
-            for row, truth in zip(predictions.tolist(), batch):
-                tally.add(score_batch([row], truth[None], None, self.decode), -1, False)
-        return tally.row()
+            observed = self.pipeline({"input_ids": batch[:, None]}, generator=generator, keep_update="pointer" in attacks)
+            for name, predict in attacks.items():
+                for row, truth in zip(predict(observed).tolist(), batch):
+                    tallies[name].add(score_batch([row], truth[None], None, self.decode), -1, False)
+        return {name: tally.row() for name, tally in tallies.items()}

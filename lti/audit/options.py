@@ -88,13 +88,21 @@ class AttackOptions:
         rounds: Rounds whose client updates are attacked (1-based); None: every round; []: none (only the federation runs).
         dager: DAGER on every attacked update (the adapters' lora_A span test).
         checkpoint: The server's learned inverter (an `lti fit` checkpoint trained under `threat_model`); None: no learned attack.
-        probe_sequences: Measure the inverter's accuracy there (its staleness); 0: only the Flower clients' own updates.
+        pointer: The candidate pointer (`pointer.safetensors` of `lti candidates fit`, trained on candidates of
+            `threat_model`): the span test's bag of tokens, ordered by a learned network; None: not run.
+        pointer_decode: How the pointer's output becomes text: `argmax`, `assign` (each candidate once) or `lm`
+            (a beam search adding the global model's own next-token log-probability).
+        pointer_lm_weight: The weight of that log-probability under `lm`.
+        probe_sequences: Measure the learned attacks' accuracy there (their staleness); 0: only the Flower clients' own updates.
         samples: Clients per round and attack whose reconstructions are shown next to their originals in the report.
     """
 
     rounds: list[int] | None = None
     dager: bool = True
     checkpoint: str | None = None
+    pointer: str | None = None
+    pointer_decode: str = "argmax"
+    pointer_lm_weight: float = 0.5
     probe_sequences: int = 128
     samples: int = 3
 
@@ -102,6 +110,8 @@ class AttackOptions:
         for r in self.rounds or []:
             if not 1 <= r <= rounds:
                 raise ValueError(f"attacks.rounds has round {r}, but the simulation runs rounds 1..{rounds}")
+        if self.pointer_decode not in ("argmax", "assign", "lm"):
+            raise ValueError(f"attacks.pointer_decode {self.pointer_decode!r} is not known; use argmax, assign or lm")
         if self.probe_sequences < 0:
             raise ValueError(f"attacks.probe_sequences={self.probe_sequences} must be >= 0")
 

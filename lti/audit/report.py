@@ -9,7 +9,8 @@ from pathlib import Path
 from lti.atomic_files import atomic_writer, write_text_atomically
 from lti.audit.options import AuditOptions
 
-ATTACK_NAMES = {"dager": "DAGER (lora_A span test)", "learned": "learned inverter (LTI)"}
+ATTACK_NAMES = {"dager": "DAGER (lora_A span test)", "learned": "learned inverter (LTI)",
+                "pointer": "candidate pointer (span bag, learned order)"}
 
 
 def _pct(value) -> str:
@@ -37,9 +38,10 @@ def plot_leakage(records: list[dict], path: Path) -> None:
     for name in sorted({a for r in records for a in r["attacks"]}):
         points = [(r["round"], 100 * r["attacks"][name]["token_acc"]) for r in records if name in r["attacks"]]
         axis.plot(*zip(*points), marker="o", label=ATTACK_NAMES.get(name, name) + ", clients' updates")
-    probe = [(r["round"], 100 * r["probe"]["token_acc"]) for r in records if r.get("probe")]
-    if probe:
-        axis.plot(*zip(*probe), marker="s", linestyle="--", label="learned inverter, held-out probe")
+    for name in ("learned", "pointer"):
+        probe = [(r["round"], 100 * r["probe"][name]["token_acc"]) for r in records if name in (r.get("probe") or {})]
+        if probe:
+            axis.plot(*zip(*probe), marker="s", linestyle="--", label=f"{ATTACK_NAMES[name]}, held-out probe")
     axis.set_xlabel("round")
     axis.set_ylabel("token accuracy (%)")
     axis.set_xticks(rounds)
@@ -70,7 +72,7 @@ def plot_privacy_utility(records: list[dict], path: Path) -> None:
 
 
 def write_report(out: Path, options: AuditOptions, records: list[dict], learned, seconds: float,
-                 notes: list[str] = (), probe_baseline: float | None = None) -> None:
+                 notes: list[str] = (), probe_baseline: float | None = None, pointer=None) -> None:
     """report.md, report.json and the two plots under `out` (and W&B if asked); `probe_baseline`: the
     per-position majority's token accuracy on the staleness probe's sequences (None: no probe)."""
     fed, dp = options.federation, options.flower_dp
@@ -85,25 +87,29 @@ def write_report(out: Path, options: AuditOptions, records: list[dict], learned,
            + (f", ε = {dp.epsilon} per round, δ = {dp.delta})" if dp.mode == "local_dp"
               else f", noise multiplier {dp.noise_multiplier} on the aggregate)")) + ".",
         f"Learned inverter: `{learned.checkpoint}`." if learned is not None else "Learned inverter: none.",
+        f"Candidate pointer: `{pointer.path}`, decoded by {pointer.rule}"
+        + (f" (global model's log-probability weighted {pointer.lm_weight})." if pointer.rule == "lm" else ".")
+        if pointer is not None else "Candidate pointer: none.",
         f"Wall time of this invocation: {seconds / 60:.1f} min.",
         *notes,
         "",
         "Token accuracy, ROUGE-1/2 (F, %) and exact sequences (%) of each attack on the clients' updates of the round;",
-        "'probe': the learned inverter on updates the server simulates for held-out client sequences at the",
+        "'probe': a learned attack on updates the server simulates for held-out client sequences at the",
         "round's global weights (its staleness); utility: the global model's validation loss after the round.",
         "",
         "| round | attack | token acc | ROUGE-1 | ROUGE-2 | exact | probe acc | val. loss | ε | how it ran |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for record in records:
-        attacks = record["attacks"] or {"(not attacked)": None}
-        for name, scores in attacks.items():
+        probe = record.get("probe") or {}
+        # An attack that ran on the probe only (its updates are not the clients' B) still gets its row.
+        attacks = {**record["attacks"], **{name: None for name in probe if name not in record["attacks"]}}
+        for name, scores in (attacks or {"(not attacked)": None}).items():
             eps = record.get("epsilon")
             cells = ["–"] * 4 if scores is None else [_pct(scores["token_acc"]), _pct(scores["rouge1"]),
                                                       _pct(scores["rouge2"]), _pct(scores["exact_fraction"])]
-            probe = record.get("probe") or {}
             lines.append(f"| {record['round']} | {ATTACK_NAMES.get(name, name)} | " + " | ".join(cells)
-                         + f" | {_pct(probe.get('token_acc')) if name == 'learned' else '–'}"
+                         + f" | {_pct(probe[name]['token_acc']) if name in probe else '–'}"
                          + f" | {record['utility_after']:.4f} | {'–' if eps is None else f'{eps:.2f}'}"
                          + f" | {_how(scores)} |")
     lines += ["", "![leakage over rounds](leakage_over_rounds.png) ![privacy vs utility](privacy_utility.png)", "",
@@ -150,8 +156,8 @@ def _log_wandb(out: Path, records: list[dict]) -> None:
             for name, scores in record["attacks"].items():
                 for key in ("token_acc", "rouge1", "rouge2", "exact_fraction"):
                     metrics[f"{name}/{key}"] = scores[key]
-            if record.get("probe"):
-                metrics["learned/probe_token_acc"] = record["probe"]["token_acc"]
+            for name, scores in (record.get("probe") or {}).items():
+                metrics[f"{name}/probe_token_acc"] = scores["token_acc"]
             run.log(metrics)
     finally:
         run.finish()

@@ -117,7 +117,7 @@ class Audit:
             _write_json(identity, marker)
 
     def _build(self) -> None:
-        from lti.audit.attacks import LearnedInverter, RoundAttacks
+        from lti.audit.attacks import LearnedInverter, PointerAttack, RoundAttacks
         from lti.audit.federation import client_pipeline
         from lti.trainer_cli import instantiate
 
@@ -147,17 +147,25 @@ class Audit:
             if learned.sequences != 1:
                 self.notes.append("The staleness probe simulates one-sequence updates; this inverter reads "
                                   f"{learned.sequences}: no probe.")
+        pointer = None
+        if self.options.attacks.pointer:
+            pointer = PointerAttack(self.options.attacks.pointer, self.server, data.seq_len, self.options.threat_model,
+                                    list(self.options.threat_model_args), self.options.attacks.pointer_decode,
+                                    self.options.attacks.pointer_lm_weight)
+            if self.options.federation.batch_size != 1:
+                self.notes.append(f"The candidate pointer reads updates of one sequence; the clients send "
+                                  f"{self.options.federation.batch_size}: it runs on the staleness probe only.")
         if self.options.flower_dp.mode == "fixed_clipping":
             self.notes.append("Under fixed clipping the server reads every clipped update before Flower adds noise to "
                               "the aggregate: ε bounds what the released model leaks, not what the server reads.")
         self.attacks = RoundAttacks(self.server, lambda t: data.tokenizer.decode(t), data.seq_len,
                                     self.options.federation.lr, self.options.attacks.dager, learned,
-                                    self.options.attacks.samples)
+                                    self.options.attacks.samples, pointer)
         # Spread over the whole split, so over every client's documents.
         probe = min(self.options.attacks.probe_sequences, eval_ids.shape[0])
         self.probe_ids = eval_ids[torch.linspace(0, eval_ids.shape[0] - 1, probe).long()] if probe else eval_ids[:0]
         self.probe_baseline: float | None = None
-        if learned is not None and learned.sequences == 1 and len(self.probe_ids):
+        if ((learned is not None and learned.sequences == 1) or pointer is not None) and len(self.probe_ids):
             # What the probe's accuracy is read against: an attack that reads nothing and guesses each
             # position's most frequent token in the server's data.
             majority = data.majority_tokens[: self.probe_ids.shape[1]].to(self.probe_ids.device, self.probe_ids.dtype)
@@ -313,7 +321,7 @@ class Audit:
         self.attack_rounds()
         records = self.records()
         write_report(self.out, self.options, records, self.attacks.learned, time.perf_counter() - start, self.notes,
-                     self.probe_baseline)
+                     self.probe_baseline, self.attacks.pointer)
         return records
 
     def records(self) -> list[dict]:
@@ -325,6 +333,8 @@ class Audit:
             attacked = attacks.exists() and r in asked
             record.update(json.loads(attacks.read_text()) if attacked else {"attacks": {}, "probe": {}})
             record.pop("options", None)
+            if "token_acc" in (record.get("probe") or {}):  # a record of an audit before the pointer: the learned inverter's probe
+                record["probe"] = {"learned": record["probe"]}
             out.append(record)
         return out
 

@@ -3,11 +3,13 @@
     lti candidates build --config configs/audit/inverter_smollm2_lora.yaml --split auxiliary --out runs/candidates/aux.safetensors
     lti candidates build --config configs/audit/inverter_smollm2_lora.yaml --split evaluation --limit 512 --out runs/candidates/eval.safetensors
     lti candidates fit --train runs/candidates/aux.safetensors --eval runs/candidates/eval.safetensors --out_dir runs/candidates/fit
+    lti candidates evaluate --pointer runs/candidates/fit/pointer.safetensors --eval runs/candidates/eval.safetensors --decode argmax lm
 
 `build` simulates one update per block under the config's threat model (its target, client, defense)
 and stores each update's candidates; `fit` trains the pointer on the training file's and evaluates on
 the evaluation file's (held-out client text), writing `curve.csv`, checkpoints, the final weights
-(`pointer.safetensors`) and `result.json` (the last evaluation, never the best) to --out_dir.
+(`pointer.safetensors`) and `result.json` (the last evaluation, never the best) to --out_dir;
+`evaluate` decodes a trained pointer's output with each rule of `lti.candidates.decoding`.
 """
 
 from __future__ import annotations
@@ -70,6 +72,47 @@ def _fit(args: argparse.Namespace, argv: list[str]) -> None:
     print(json.dumps(result, indent=2))
 
 
+def _evaluate(args: argparse.Namespace, argv: list[str]) -> None:
+    import torch
+
+    from datamodules.metrics import rouge_f
+    from lti.candidates.decoding import decode_candidates
+    from lti.candidates.evidence_file import SHARED, load
+    from lti.candidates.pointer import load_pointer
+    from lti.trainer_cli import instantiate
+
+    data = load(args.eval)
+    if args.tail:
+        data = data.tail(min(args.tail, len(data)))
+    if args.limit:
+        data = data.head(args.limit)
+    meta = data.metadata
+    _, threat = instantiate(meta["config"], json.loads(meta["overrides"]))
+    target = threat.pipeline.target
+    pointer, trained_on = load_pointer(args.pointer, target.embedding_matrix)
+    differ = [k for k in SHARED if trained_on.get(k) != meta.get(k)]
+    if differ:
+        raise ValueError(f"the pointer was trained on candidates that differ from {args.eval[0]} in {', '.join(differ)}")
+    with torch.no_grad():
+        logits = torch.cat([pointer(data.ids[i : i + 256], data.scores[i : i + 256], data.coefficients[i : i + 256])
+                            for i in range(0, len(data), 256)])
+    rows = []
+    for rule in args.decode:
+        for weight in (args.lm_weight if rule == "lm" else [0.0]):
+            start = time.perf_counter()
+            preds = decode_candidates(data.ids, logits, rule, target.model.eval(), weight, args.beam)
+            scores = [rouge_f(p, r) for p, r in zip(threat.decode(preds), threat.decode(data.truth))]
+            row = {"decode": rule, "lm_weight": weight if rule == "lm" else None, "beam": args.beam if rule == "lm" else None,
+                   "blocks": len(data), "split": meta["split"], "token_acc": float((preds == data.truth).float().mean()),
+                   "exact_sequences": float((preds == data.truth).all(1).float().mean()),
+                   **{k: sum(s[k] for s in scores) / len(scores) for k in scores[0]},
+                   "seconds": round(time.perf_counter() - start, 1)}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    if args.out:
+        write_text_atomically(args.out, json.dumps({"command": "lti candidates " + " ".join(argv), "rows": rows}, indent=2) + "\n")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lti candidates", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -103,6 +146,15 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--ckpt_path", default=None, help="resume from this checkpoint")
     f.add_argument("--holdout", type=int, default=0,
                    help="keep the training files' last HOLDOUT blocks out of training (to choose decoding settings on)")
+    e = sub.add_parser("evaluate", help="score a trained pointer on candidate files, decoding rule by rule")
+    e.add_argument("--pointer", required=True, help="pointer.safetensors from `lti candidates fit`")
+    e.add_argument("--eval", nargs="+", required=True, help="candidate files to score")
+    e.add_argument("--tail", type=int, default=0, help="only the files' last TAIL blocks (a fit's --holdout)")
+    e.add_argument("--limit", type=int, default=0, help="then only the first LIMIT blocks")
+    e.add_argument("--decode", nargs="+", default=["argmax"], choices=["argmax", "assign", "lm"])
+    e.add_argument("--lm_weight", nargs="+", type=float, default=[0.5], help="weights of the global model's log-probability (lm)")
+    e.add_argument("--beam", type=int, default=8)
+    e.add_argument("--out", default=None, help="a JSON file of the rows")
     return p
 
 
@@ -111,8 +163,10 @@ def main(argv: list[str]) -> None:
     try:
         if args.command == "build":
             _build(args)
-        else:
+        elif args.command == "fit":
             _fit(args, argv)
+        else:
+            _evaluate(args, argv)
     except (ValueError, FileNotFoundError) as error:
         print(f"lti candidates: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -265,7 +265,7 @@ def test_the_learned_inverter_attacks_every_round_and_is_probed_for_staleness(ti
     assert records[0]["attacks"] == {} and records[0]["probe"] == {}  # round 1 was not asked for
     learned = records[1]["attacks"]["learned"]
     assert learned["sequences"] == 2 and 0.0 <= learned["token_acc"] <= 1.0
-    assert records[1]["probe"]["sequences"] == 6
+    assert records[1]["probe"]["learned"]["sequences"] == 6
     report = (tmp_path / "a" / "report.md").read_text()
     assert "learned inverter (LTI)" in report
     # The probe's baseline, counted here position by position: the majority token of the server's data.
@@ -284,6 +284,61 @@ def test_an_inverter_of_another_threat_model_is_refused(tiny_inverter, tmp_path)
     options = AuditOptions(threat_model=str(config), out_dir=str(tmp_path / "a"),
                            attacks=AttackOptions(checkpoint=tiny_inverter))
     with pytest.raises(ValueError, match="trained under another threat model"):
+        Audit(options).run()
+    assert not (tmp_path / "a").exists()
+
+
+@pytest.fixture(scope="module")
+def tiny_pointer(tmp_path_factory):
+    """A few steps of `lti candidates fit` on the tiny threat model's candidates: weights the audit can load."""
+    from lti.cli import main
+
+    folder = tmp_path_factory.mktemp("pointer")
+    for split, limit in (("auxiliary", "64"), ("evaluation", "8")):
+        main(["candidates", "build", "--config", TINY, "--split", split, "--limit", limit, "--count", "12",
+              "--out", str(folder / f"{split}.safetensors")])
+    main(["candidates", "fit", "--train", str(folder / "auxiliary.safetensors"), "--eval", str(folder / "evaluation.safetensors"),
+          "--out_dir", str(folder / "fit"), "--max_steps", "4", "--val_every", "4", "--hidden", "16", "--layers", "1",
+          "--heads", "2", "--batch_size", "16"])
+    return str(folder / "fit" / "pointer.safetensors")
+
+
+@pytest.mark.parametrize("decode", ["argmax", "lm"])
+def test_the_candidate_pointer_attacks_every_round_and_is_probed_for_staleness(tiny_pointer, tmp_path, decode):
+    options = AuditOptions(threat_model=TINY, out_dir=str(tmp_path / "a"), federation=FederationOptions(clients=2, rounds=2),
+                           attacks=AttackOptions(dager=False, pointer=tiny_pointer, pointer_decode=decode, probe_sequences=6,
+                                                 rounds=[2]),
+                           utility_sequences=4)
+    audit = Audit(options, say=lambda *_: None)
+    records = audit.run()
+    pointer = records[1]["attacks"]["pointer"]
+    assert pointer["sequences"] == 2 and 0.0 <= pointer["token_acc"] <= 1.0
+    assert records[1]["probe"]["pointer"]["sequences"] == 6 and "learned" not in records[1]["probe"]
+    # The attack equals the pointer run by hand on the update the server read off Flower's arrays.
+    from safetensors.torch import load_file
+
+    from lti.audit.attacks import observed_update
+    from lti.audit.federation import load_adapter_state
+
+    folder = tmp_path / "a" / "rounds" / "r002"
+    sent, replies = load_file(str(folder / "sent.safetensors")), load_file(str(folder / "replies.safetensors"))
+    load_adapter_state(audit.server, sent)
+    names = list(audit.server.names)
+    update = observed_update(sent, {n: replies[f"c0/{n}"] for n in names}, options.federation.lr, names)
+    by_hand = audit.attacks.pointer.predict(audit.server.split(update[None]))[0].tolist()
+    truth = load_file(str(folder / "batches.safetensors"))["c0"][0].tolist()
+    sample = pointer["samples"][0]
+    assert sample["client"] == 0 and sample["reconstruction"] == audit.data.tokenizer.decode(by_hand)
+    assert sample["reference"] == audit.data.tokenizer.decode(truth)
+    report = (tmp_path / "a" / "report.md").read_text()
+    assert "candidate pointer (span bag, learned order)" in report and f"decoded by {decode}" in report
+
+
+def test_a_pointer_of_another_threat_model_is_refused(tiny_pointer, tmp_path):
+    config = tmp_path / "rank4.yaml"
+    config.write_text(Path(TINY).read_text().replace("rank: 8", "rank: 4"))
+    options = AuditOptions(threat_model=str(config), out_dir=str(tmp_path / "a"), attacks=AttackOptions(pointer=tiny_pointer))
+    with pytest.raises(ValueError, match="not of the audit's threat model"):
         Audit(options).run()
     assert not (tmp_path / "a").exists()
 

@@ -127,3 +127,50 @@ def test_fit_refuses_evaluation_candidates_of_the_training_split(tmp_path, capsy
               "--out_dir", str(tmp_path / "fit")])
     assert error.value.code == 2
     assert "both come from the auxiliary split" in capsys.readouterr().err
+
+
+def test_the_lm_beam_search_finds_the_brute_force_optimum_and_without_the_lm_is_the_argmax():
+    import itertools
+
+    from lti.candidates.decoding import assign_positions, lm_beam_search
+
+    _, data = instantiate(TINY)
+    lm = data.pipeline.target.model.eval()
+    torch.manual_seed(0)
+    count, length, k = 3, 3, 3
+    ids = torch.stack([torch.randperm(500)[:k] for _ in range(count)])
+    logits = torch.randn(count, length, k + 1)
+    assert torch.equal(lm_beam_search(ids, logits, lm, 0.0, beam=2), predict_tokens(ids, logits))
+    found = lm_beam_search(ids, logits, lm, 1.0, beam=k ** (length - 1))  # wide enough to be exhaustive
+    logp = torch.log_softmax(logits, -1)[..., :-1]
+    for u in range(count):
+        def total(columns):
+            tokens = ids[u, list(columns)]
+            with torch.no_grad():
+                lm_logp = torch.log_softmax(lm(input_ids=tokens[None]).logits[0].float(), -1)
+            return float(sum(logp[u, p, c] for p, c in enumerate(columns))
+                         + sum(lm_logp[p - 1, tokens[p]] for p in range(1, length)))
+        best = max(itertools.product(range(k), repeat=length), key=total)
+        assert found[u].tolist() == ids[u, list(best)].tolist()
+    assigned = assign_positions(ids, logits)
+    assert all(len(set(row)) == length for row in assigned.tolist())  # each candidate at most once
+
+
+def test_evaluate_scores_each_rule_and_refuses_candidates_of_another_threat_model(tmp_path, capsys):
+    build(TINY, "auxiliary", tmp_path / "aux.safetensors", count=8, limit=32)
+    build(TINY, "evaluation", tmp_path / "eval.safetensors", count=8, limit=8)
+    main(["candidates", "fit", "--train", str(tmp_path / "aux.safetensors"), "--eval", str(tmp_path / "eval.safetensors"),
+          "--out_dir", str(tmp_path / "fit"), "--max_steps", "2", "--val_every", "2", "--hidden", "16", "--layers", "1",
+          "--heads", "2", "--batch_size", "8", "--holdout", "8"])
+    assert json.loads((tmp_path / "fit" / "result.json").read_text())["holdout_blocks"] == 8
+    pointer = str(tmp_path / "fit" / "pointer.safetensors")
+    main(["candidates", "evaluate", "--pointer", pointer, "--eval", str(tmp_path / "aux.safetensors"), "--tail", "8",
+          "--decode", "argmax", "assign", "lm", "--lm_weight", "0", "1", "--beam", "2", "--out", str(tmp_path / "ev.json")])
+    rows = json.loads((tmp_path / "ev.json").read_text())["rows"]
+    assert [(r["decode"], r["lm_weight"]) for r in rows] == [("argmax", None), ("assign", None), ("lm", 0.0), ("lm", 1.0)]
+    assert all(r["blocks"] == 8 and r["split"] == "auxiliary" for r in rows)
+    assert rows[2]["token_acc"] == rows[0]["token_acc"]  # the beam without the LM is the argmax
+    build(TINY, "evaluation", tmp_path / "other.safetensors", count=6, limit=4)
+    with pytest.raises(SystemExit) as error:
+        main(["candidates", "evaluate", "--pointer", pointer, "--eval", str(tmp_path / "other.safetensors")])
+    assert error.value.code == 2 and "differ from" in capsys.readouterr().err

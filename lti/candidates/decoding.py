@@ -1,0 +1,78 @@
+"""Turning the pointer's (U, L, K + 1) logits into sequences. Plain PyTorch.
+
+- `argmax`: each position's best candidate on its own.
+- `assign`: every candidate at most once (a Hungarian assignment of positions to candidates): an
+  update's tokens rarely repeat, and the span names each once.
+- `lm`: a beam search over the candidates that adds `weight` times the global model's own next-token
+  log-probability to the pointer's: the server holds the pretrained model, a far stronger prior on word
+  order than any it can learn from its auxiliary text.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from scipy.optimize import linear_sum_assignment
+from torch import Tensor, nn
+
+from lti.candidates.pointer import predict_tokens
+
+DECODERS = ("argmax", "assign", "lm")
+
+
+def assign_positions(ids: Tensor, logits: Tensor) -> Tensor:
+    """(U, L) tokens: the assignment of positions to distinct candidates of the largest summed log-probability."""
+    logp = torch.log_softmax(logits.float(), -1)[..., :-1].cpu()
+    columns = [torch.as_tensor(linear_sum_assignment(-logp[u].numpy())[1]) for u in range(logp.shape[0])]
+    return ids.gather(1, torch.stack(columns).to(ids.device))
+
+
+def _next_token_logp(lm: nn.Module, tokens: Tensor, cache) -> tuple[Tensor, object]:
+    # transformers renamed `past_key_values` to `cache` (5.x); both spellings are accepted here.
+    name = "cache" if "cache" in inspect.signature(type(lm).forward).parameters else "past_key_values"
+    out = lm(input_ids=tokens, use_cache=True, **({name: cache} if cache is not None else {}))
+    return torch.log_softmax(out.logits[:, -1].float(), -1), out["cache" if "cache" in out else "past_key_values"]
+
+
+@torch.no_grad()
+def lm_beam_search(ids: Tensor, logits: Tensor, lm: nn.Module, weight: float, beam: int = 8, chunk: int = 64) -> Tensor:
+    """(U, L) tokens maximising sum_p log p_pointer(c_p | p) + weight * log p_lm(c_p | c_<p) over candidate
+    sequences, by a beam search of width `beam` (exact when beam >= K^(L-1)). `lm` is a Hugging Face
+    causal LM (called with `input_ids`, `past_key_values`, `use_cache`)."""
+    logp = torch.log_softmax(logits.float(), -1)[..., :-1]  # "none" is never chosen
+    out = []
+    for start in range(0, ids.shape[0], chunk):
+        cand, lp = ids[start : start + chunk], logp[start : start + chunk]
+        count, length, k = lp.shape
+        width = min(beam, k)
+        first = lp[:, 0].topk(width, dim=1)
+        scores, seqs = first.values, cand.gather(1, first.indices)[..., None]  # (n, W), (n, W, 1)
+        lm_logp, cache = _next_token_logp(lm, seqs.reshape(-1, 1), None)  # (n W, V)
+        for p in range(1, length):
+            cand_lm = lm_logp.view(count, width, -1).gather(2, cand[:, None].expand(-1, width, -1))  # (n, W, K)
+            total = scores[..., None] + lp[:, p, None] + weight * cand_lm
+            top = total.view(count, -1).topk(width, dim=1)
+            parent, column = top.indices // k, top.indices % k
+            rows = (torch.arange(count, device=ids.device)[:, None] * width + parent).flatten()
+            token = cand.gather(1, column)  # (n, W)
+            seqs = torch.cat([seqs.view(count * width, -1)[rows].view(count, width, -1), token[..., None]], dim=2)
+            scores = top.values
+            if p < length - 1:
+                cache.reorder_cache(rows)
+                lm_logp, cache = _next_token_logp(lm, token.reshape(-1, 1), cache)
+        out.append(seqs[torch.arange(count), scores.argmax(1)])
+    return torch.cat(out)
+
+
+def decode_candidates(ids: Tensor, logits: Tensor, rule: str, lm: nn.Module | None = None, weight: float = 0.0,
+                      beam: int = 8) -> Tensor:
+    if rule == "argmax":
+        return predict_tokens(ids, logits)
+    if rule == "assign":
+        return assign_positions(ids, logits)
+    if rule == "lm":
+        if lm is None:
+            raise ValueError("decoding rule 'lm' needs the global model")
+        return lm_beam_search(ids, logits, lm, weight, beam)
+    raise ValueError(f"decoding rule {rule!r} is not known; choose one of {', '.join(DECODERS)}")
