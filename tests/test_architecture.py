@@ -30,7 +30,7 @@ LAYERS = {
     # The learned attack, above the exact ones: the hybrid reads their server-side computations
     # (exact.span_evidence); an exact attack never reads the learned one.
     "lti.inverters": 2, "lti.loss": 2, "lti.module": 2, "lti.vision_module": 2, "lti.decoding": 2,
-    "lti.evidence_prior": 2,
+    "lti.evidence_prior": 2, "lti.candidates.pointer": 2, "lti.candidates.decoding": 2,
     "lti": 3,  # the workbench: CLI, grids, results writer
 }
 #: Modules that stand side by side: neither imports the other (none at present).
@@ -41,7 +41,7 @@ LIGHTNING_WRAPPERS = {
     "datamodules.inversion_data", "datamodules.text_inversion", "datamodules.vision_inversion",
     "exact.callbacks", "exact.callbacks.base", "exact.callbacks.dager", "exact.callbacks.spear",
     "lti.module", "lti.vision_module", "lti.results", "lti.curves", "lti.trainer_cli",
-    "lti.console", "lti.exact_only", "lti.final_validation",
+    "lti.console", "lti.exact_only", "lti.final_validation", "lti.candidates.module",
 }
 
 

@@ -21,6 +21,11 @@ from pathlib import Path
 from benchmarks.tools.paper_table import METRICS, read_curve
 
 
+def metric(row: dict, name: str) -> float:
+    """An `lti fit` curve's `val/lti/NAME`, or `val/NAME` of an `lti candidates fit` curve."""
+    return float(row[METRICS[name]] if METRICS[name] in row else row[f"val/{name}"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path)
@@ -40,15 +45,17 @@ def main() -> None:
     for label, path in args.curve:
         rows = read_curve(Path(path))
         steps = [int(r[args.x]) for r in rows]
-        line, = axis.plot(steps, [100 * float(r[METRICS["token_acc"]]) for r in rows], marker="o", markersize=3, label=label)
-        axis.plot(steps, [100 * float(r["val/baseline/token_acc"]) for r in rows], linestyle=":", color=line.get_color(),
-                  label=f"{label}: baseline")
+        line, = axis.plot(steps, [100 * metric(r, "token_acc") for r in rows], marker="o", markersize=3, label=label)
+        if "val/baseline/token_acc" in rows[0]:
+            axis.plot(steps, [100 * float(r["val/baseline/token_acc"]) for r in rows], linestyle=":", color=line.get_color(),
+                      label=f"{label}: baseline")
         copy = args.out / f"{args.name}_{re.sub(r'[^a-z0-9]+', '_', label.lower()).strip('_')}.csv"
         if copy.resolve() != Path(path).resolve():  # redrawing a figure from its own copies
             shutil.copyfile(path, copy)
         last = rows[-1]
-        print(f"{label:>14}: token acc {100 * float(last[METRICS['token_acc']]):.2f}% (baseline "
-              f"{100 * float(last['val/baseline/token_acc']):.2f}%), ROUGE-1 {100 * float(last[METRICS['rouge1']]):.2f}%, "
+        baseline = f"{100 * float(last['val/baseline/token_acc']):.2f}%" if "val/baseline/token_acc" in last else "not logged"
+        print(f"{label:>14}: token acc {100 * metric(last, 'token_acc'):.2f}% (baseline "
+              f"{baseline}), ROUGE-1 {100 * metric(last, 'rouge1'):.2f}%, "
               f"step {last['step']}, {float(last['wall_minutes']):.1f} min")
     axis.set_xlabel("training steps" if args.x == "step" else "training updates seen")
     if args.x == "samples":

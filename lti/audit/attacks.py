@@ -86,7 +86,7 @@ class PointerAttack:
     def __init__(self, path: str, pipeline: UpdatePipeline, seq_len: int, threat_model: str, threat_model_args: list[str],
                  rule: str = "argmax", lm_weight: float = 0.5) -> None:
         from exact.span_evidence import CandidateEvidence, SpanEvidence
-        from lti.candidates.pointer import load_pointer
+        from lti.candidates.weights import load_pointer
 
         self.pointer, trained_on = load_pointer(path, pipeline.target.embedding_matrix)
         same = (Path(trained_on.get("config", "")).resolve() == Path(threat_model).resolve()

@@ -18,7 +18,6 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 from lti.atomic_files import write_text_atomically
 
@@ -32,44 +31,9 @@ def _build(args: argparse.Namespace) -> None:
 
 
 def _fit(args: argparse.Namespace, argv: list[str]) -> None:
-    import torch
-    from lightning.pytorch import Trainer, seed_everything
-    from lightning.pytorch.callbacks import ModelCheckpoint
-    from lightning.pytorch.loggers import CSVLogger
+    from lti.candidates.module import fit
 
-    from lti.candidates.module import CandidateData, CandidatePointerModule
-    from lti.candidates.pointer import save_pointer
-    from lti.console import StepProgressBar
-    from lti.curves import LearningCurve
-    from lti.trainer_cli import instantiate, use_atomic_checkpoints
-
-    seed_everything(args.seed)
-    data = CandidateData(args.train, args.eval, args.batch_size, args.holdout)
-    meta = data.train_set.metadata
-    _, threat = instantiate(meta["config"], json.loads(meta["overrides"]))  # the target's embedding and tokenizer
-    module = CandidatePointerModule(threat.pipeline.target.embedding_matrix, int(meta["coefficient_width"]),
-                                    int(meta["seq_len"]), args.hidden, args.layers, args.heads, args.dropout, args.lr,
-                                    args.weight_decay, args.max_steps, decode=threat.decode)
-    out = Path(args.out_dir)
-    trainer = Trainer(accelerator=args.accelerator, devices=1, max_steps=args.max_steps, max_time=args.max_time,
-                      val_check_interval=args.val_every, check_val_every_n_epoch=None, num_sanity_val_steps=0,
-                      logger=CSVLogger(out, name="logs"), default_root_dir=out, precision=args.precision,
-                      callbacks=[LearningCurve(str(out / "curve.csv")), StepProgressBar(),
-                                 ModelCheckpoint(out / "checkpoints", save_last=True, every_n_train_steps=args.val_every)])
-    use_atomic_checkpoints(trainer)
-    start = time.perf_counter()
-    trainer.fit(module, datamodule=data, ckpt_path=args.ckpt_path)
-    trainer.validate(module, datamodule=data, verbose=False)  # the final weights, whatever the last interval
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
-    result = {"command": "lti candidates " + " ".join(argv), "steps": trainer.global_step,
-              "wall_minutes": round((time.perf_counter() - start) / 60, 2), "train_blocks": len(data.train_set),
-              "eval_blocks": len(data.eval_set), "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-              **metrics}
-    if data.holdout_set is not None:
-        result["holdout_blocks"] = len(data.holdout_set)
-    save_pointer(module.pointer, out / "pointer.safetensors", meta)
-    write_text_atomically(out / "result.json", json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    print(json.dumps(fit(args, "lti candidates " + " ".join(argv)), indent=2))
 
 
 def _evaluate(args: argparse.Namespace, argv: list[str]) -> None:
@@ -78,7 +42,7 @@ def _evaluate(args: argparse.Namespace, argv: list[str]) -> None:
     from datamodules.metrics import rouge_f
     from lti.candidates.decoding import decode_candidates
     from lti.candidates.evidence_file import SHARED, load
-    from lti.candidates.pointer import load_pointer
+    from lti.candidates.weights import load_pointer
     from lti.trainer_cli import instantiate
 
     data = load(args.eval)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule
 from torch.utils.data import DataLoader, TensorDataset
 
 from datamodules.metrics import RougeScores, rouge_f
+from lti.atomic_files import write_text_atomically
 from lti.candidates.evidence_file import load
 from lti.candidates.pointer import CandidatePointer, pointer_targets, predict_tokens
 
@@ -34,6 +38,10 @@ class CandidateData(LightningDataModule):
             raise ValueError(f"training and evaluation candidates both come from the {self.train_set.metadata['split']} split")
         self.batch_size = batch_size
 
+    def majority_tokens(self) -> torch.Tensor:
+        """(L,) each position's most frequent training token: the attack-free baseline."""
+        return self.train_set.truth.mode(dim=0).values
+
     @staticmethod
     def _dataset(data) -> TensorDataset:
         return TensorDataset(data.ids, data.scores, data.coefficients, data.truth)
@@ -50,9 +58,11 @@ class CandidatePointerModule(LightningModule):
 
     def __init__(self, embedding: torch.Tensor, coefficient_width: int, positions: int, hidden: int = 256,
                  layers: int = 4, heads: int = 4, dropout: float = 0.1, lr: float = 3e-4, weight_decay: float = 0.01,
-                 max_steps: int = 10_000, decode: Callable[[torch.Tensor], list[str]] | None = None) -> None:
+                 max_steps: int = 10_000, decode: Callable[[torch.Tensor], list[str]] | None = None,
+                 majority: torch.Tensor | None = None) -> None:
         super().__init__()
-        self.save_hyperparameters(ignore=["embedding", "decode"])
+        self.save_hyperparameters(ignore=["embedding", "decode", "majority"])
+        self.register_buffer("majority", majority, persistent=False)
         self.pointer = CandidatePointer(embedding, coefficient_width, positions, hidden, layers, heads, dropout)
         self.decode = decode
         self.rouge = RougeScores()
@@ -77,6 +87,8 @@ class CandidatePointerModule(LightningModule):
         self.log("val/loss", loss, batch_size=size)
         self.log("val/token_acc", (preds == truth).float().mean(), batch_size=size, prog_bar=True)
         self.log("val/bag_ceiling", (targets < ids.shape[1]).float().mean(), batch_size=size)
+        if self.majority is not None:
+            self.log("val/baseline/token_acc", (self.majority[None] == truth).float().mean(), batch_size=size)
         self.log("val/top_candidate_acc", (ids[:, :1] == truth).float().mean(), batch_size=size)  # no learning: the top candidate everywhere
         if self.decode is not None:
             self.rouge.update(scores=[rouge_f(p, r) for p, r in zip(self.decode(preds), self.decode(truth))])
@@ -94,3 +106,45 @@ class CandidatePointerModule(LightningModule):
             torch.optim.lr_scheduler.LinearLR(optimizer, 0.01, 1.0, max(1, warmup)),
             torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(1, self.hparams.max_steps - warmup))], [warmup])
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def fit(args, command: str) -> dict:
+    """`lti candidates fit` (`lti.candidates.cli` parses `args`): train, validate the final weights, save
+    them with `result.json`; returns the result."""
+    from lightning.pytorch import Trainer, seed_everything
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lti.candidates.weights import save_pointer
+    from lti.console import StepProgressBar
+    from lti.curves import LearningCurve
+    from lti.trainer_cli import instantiate, use_atomic_checkpoints
+
+    seed_everything(args.seed)
+    data = CandidateData(args.train, args.eval, args.batch_size, args.holdout)
+    meta = data.train_set.metadata
+    _, threat = instantiate(meta["config"], json.loads(meta["overrides"]))  # the target's embedding and tokenizer
+    module = CandidatePointerModule(threat.pipeline.target.embedding_matrix, int(meta["coefficient_width"]),
+                                    int(meta["seq_len"]), args.hidden, args.layers, args.heads, args.dropout, args.lr,
+                                    args.weight_decay, args.max_steps, decode=threat.decode,
+                                    majority=data.majority_tokens())
+    out = Path(args.out_dir)
+    trainer = Trainer(accelerator=args.accelerator, devices=1, max_steps=args.max_steps, max_time=args.max_time,
+                      val_check_interval=args.val_every, check_val_every_n_epoch=None, num_sanity_val_steps=0,
+                      logger=CSVLogger(out, name="logs"), default_root_dir=out, precision=args.precision,
+                      callbacks=[LearningCurve(str(out / "curve.csv")), StepProgressBar(),
+                                 ModelCheckpoint(out / "checkpoints", save_last=True, every_n_train_steps=args.val_every)])
+    use_atomic_checkpoints(trainer)
+    start = time.perf_counter()
+    trainer.fit(module, datamodule=data, ckpt_path=args.ckpt_path)
+    trainer.validate(module, datamodule=data, verbose=False)  # the final weights, whatever the last interval
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+    result = {"command": command, "steps": trainer.global_step,
+              "wall_minutes": round((time.perf_counter() - start) / 60, 2), "train_blocks": len(data.train_set),
+              "eval_blocks": len(data.eval_set), "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              **metrics}
+    if data.holdout_set is not None:
+        result["holdout_blocks"] = len(data.holdout_set)
+    save_pointer(module.pointer, out / "pointer.safetensors", meta)
+    write_text_atomically(out / "result.json", json.dumps(result, indent=2) + "\n")
+    return result

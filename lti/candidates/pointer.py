@@ -9,15 +9,8 @@ of its query with the candidates, plus a "none of them" logit for a true token o
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
-from safetensors import safe_open
-from safetensors.torch import save
 from torch import Tensor, nn
-
-from lti.atomic_files import atomic_writer
 
 
 class CandidatePointer(nn.Module):
@@ -74,29 +67,3 @@ def predict_tokens(ids: Tensor, logits: Tensor) -> Tensor:
     """(U, L) token ids: each position's highest-scoring candidate (never "none")."""
     return ids.gather(1, logits[..., :-1].argmax(-1))
 
-
-def save_pointer(pointer: CandidatePointer, path: str | Path, evidence_metadata: dict) -> None:
-    """The trained weights (the fixed embedding is not among them) with the sizes and the threat model
-    in the metadata, written whole and renamed into place."""
-    metadata = {"sizes": json.dumps(pointer.sizes), "coefficient_width": str(pointer.coefficient_width),
-                "positions": str(pointer.positions),
-                **{f"evidence.{k}": v for k, v in evidence_metadata.items() if k not in ("split", "blocks")}}
-    state = {k: v.detach().cpu().contiguous() for k, v in pointer.state_dict().items()}
-    with atomic_writer(path) as f:
-        f.write(save(state, metadata=metadata))
-
-
-def load_pointer(path: str | Path, embedding: Tensor) -> tuple[CandidatePointer, dict]:
-    """A pointer saved by `save_pointer` (safetensors: no code runs on load), and its evidence metadata."""
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"pointer weights {path} do not exist (lti candidates fit writes pointer.safetensors)")
-    with safe_open(str(path), "pt") as f:
-        metadata = f.metadata() or {}
-        if "sizes" not in metadata:
-            raise ValueError(f"{path} holds no candidate pointer (no sizes in its metadata)")
-        state = {k: f.get_tensor(k) for k in f.keys()}
-    pointer = CandidatePointer(embedding, int(metadata["coefficient_width"]), int(metadata["positions"]),
-                               **json.loads(metadata["sizes"]))
-    pointer.load_state_dict(state)
-    evidence = {k[len("evidence."):]: v for k, v in metadata.items() if k.startswith("evidence.")}
-    return pointer.eval(), evidence
