@@ -64,7 +64,7 @@ def _evaluate(args: argparse.Namespace, argv: list[str]) -> None:
     for rule in args.decode:
         for weight in (args.lm_weight if rule == "lm" else [0.0]):
             start = time.perf_counter()
-            preds = decode_candidates(data.ids, logits, rule, target.model.eval(), weight, args.beam)
+            preds = decode_candidates(data.ids, logits, rule, target.model, weight, args.beam)
             scores = [rouge_f(p, r) for p, r in zip(threat.decode(preds), threat.decode(data.truth))]
             row = {"decode": rule, "lm_weight": weight if rule == "lm" else None, "beam": args.beam if rule == "lm" else None,
                    "blocks": len(data), "split": meta["split"], "token_acc": float((preds == data.truth).float().mean()),

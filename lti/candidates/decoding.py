@@ -16,6 +16,7 @@ import torch
 from scipy.optimize import linear_sum_assignment
 from torch import Tensor, nn
 
+from datamodules.federated.protocols.base import model_mode
 from lti.candidates.pointer import predict_tokens
 
 DECODERS = ("argmax", "assign", "lm")
@@ -39,8 +40,13 @@ def _next_token_logp(lm: nn.Module, tokens: Tensor, cache) -> tuple[Tensor, obje
 def lm_beam_search(ids: Tensor, logits: Tensor, lm: nn.Module, weight: float, beam: int = 8, chunk: int = 64) -> Tensor:
     """(U, L) tokens maximising sum_p log p_pointer(c_p | p) + weight * log p_lm(c_p | c_<p) over candidate
     sequences, by a beam search of width `beam` (exact when beam >= K^(L-1)). `lm` is a Hugging Face
-    causal LM (called with `input_ids`, `past_key_values`, `use_cache`)."""
-    logp = torch.log_softmax(logits.float(), -1)[..., :-1]  # "none" is never chosen
+    causal LM (called with `input_ids`, `use_cache` and its cache)."""
+    with model_mode(lm, "eval"):  # the prior without dropout, whatever mode the clients' code left it in
+        return _beam_search(ids, torch.log_softmax(logits.float(), -1)[..., :-1], lm, weight, beam, chunk)
+
+
+def _beam_search(ids: Tensor, logp: Tensor, lm: nn.Module, weight: float, beam: int, chunk: int) -> Tensor:
+    """`lm_beam_search` over the candidates' log-probabilities `logp` (U, L, K) ("none" left out)."""
     out = []
     for start in range(0, ids.shape[0], chunk):
         cand, lp = ids[start : start + chunk], logp[start : start + chunk]
