@@ -104,10 +104,11 @@ class SpanEvidence(nn.Module):
         numerical = numerical_ranks(s, self.options.rank_tol).tolist()
         return [SpanBasis(left[u], s[u], numerical[u], min(numerical[u], self.max_rank)) for u in range(count)]
 
-    def ranges(self, update: dict[str, Tensor]) -> list[Tensor]:
+    def ranges(self, update: dict[str, Tensor], spaces: Tensor | None = None) -> list[Tensor]:
         """Each update's capped span as an orthonormal (d, rank) basis: the range of `spans`, from a thin
-        SVD (d * width^2, not the d^3 of a full basis: LoRA's 2r columns are far fewer than d)."""
-        spaces = self.input_spaces(update)
+        SVD (d * width^2, not the d^3 of a full basis: LoRA's 2r columns are far fewer than d).
+        `spaces`: the updates' `input_spaces`, if already computed."""
+        spaces = self.input_spaces(update) if spaces is None else spaces
         g = torch.nan_to_num(spaces.detach().double(), nan=0.0, posinf=0.0, neginf=0.0)
         left, s, _ = torch.linalg.svd(g.cpu(), full_matrices=False)  # one matrix at a time on a GPU: on the CPU
         ranks = numerical_ranks(s, self.options.rank_tol).clamp_max(self.max_rank).tolist()
@@ -159,7 +160,6 @@ class SpanEvidence(nn.Module):
         return base.mean(-1, keepdim=True) - log_distance
 
 
-
 @dataclass
 class Candidates:
     """The tokens a position-free span test puts in each update, and what the span says of each.
@@ -205,8 +205,9 @@ class CandidateEvidence:
         return self._inputs
 
     def __call__(self, update: dict[str, Tensor]) -> Candidates:
-        spaces = torch.nan_to_num(self.evidence.input_spaces(update).detach().double())  # (U, d, width)
-        bases = self.evidence.ranges(update)
+        spaces = self.evidence.input_spaces(update)
+        bases = self.evidence.ranges(update, spaces)
+        spaces = torch.nan_to_num(spaces.detach().double(), nan=0.0, posinf=0.0, neginf=0.0)  # (U, d, width)
         x = self.vocabulary_inputs(spaces.device)
         x_sq = x.pow(2).sum(1)  # (V,)
         ids, scores, coefficients = [], [], []

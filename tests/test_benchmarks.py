@@ -139,6 +139,17 @@ def test_compare_curves_prints_each_runs_last_row_and_copies_the_curves(tmp_path
     assert (tmp_path / "out" / "size.png").read_bytes() != figure  # another x axis
 
 
+def test_compare_curves_reads_a_candidate_pointer_curve_without_a_baseline_column(tmp_path, monkeypatch, capsys):
+    import sys
+
+    curve = tmp_path / "pointer.csv"
+    curve.write_text("step,samples,wall_minutes,val/rouge1,val/token_acc\n500,64000,1.0,0.6,0.40\n1000,128000,2.0,0.7,0.52\n")
+    module = load_benchmark("tools.compare_curves")
+    monkeypatch.setattr(sys, "argv", ["compare_curves", "--out", str(tmp_path / "out"), "--name", "p", "--curve", "pointer", str(curve)])
+    module.main()
+    assert "pointer: token acc 52.00% (baseline not logged), ROUGE-1 70.00%, step 1000" in capsys.readouterr().out
+
+
 def test_spear_benchmark_skips_a_row_whose_optional_package_is_missing_and_prints_the_rest(monkeypatch, capsys):
     import importlib.util as util
 

@@ -89,10 +89,16 @@ class PointerAttack:
         from lti.candidates.weights import load_pointer
 
         self.pointer, trained_on = load_pointer(path, pipeline.target.embedding_matrix)
-        same = (Path(trained_on.get("config", "")).resolve() == Path(threat_model).resolve()
-                and json.loads(trained_on.get("overrides", "[]")) == list(threat_model_args)
-                and int(trained_on.get("seq_len", -1)) == seq_len)
-        if not same:
+        if int(trained_on.get("seq_len", -1)) != seq_len:
+            raise ValueError(f"attacks.pointer {path} reads sequences of {trained_on.get('seq_len')} tokens; the audit's are {seq_len}")
+        if "hash_spec" in trained_on:  # the observed parameters and the global model's weights, as checkpoints record them
+            difference = pipeline.spec.difference(HashSpec.from_dict(json.loads(trained_on["hash_spec"])))
+            if difference:
+                raise ValueError(f"attacks.pointer {path} was trained on candidates of another threat model than the "
+                                 f"audit's: {difference}")
+        elif (Path(trained_on.get("config", "")).resolve() != Path(threat_model).resolve()
+              or json.loads(trained_on.get("overrides", "[]")) != list(threat_model_args)):
+            # candidate files written before they recorded the hash spec: the config they were built from
             raise ValueError(f"attacks.pointer {path} was trained on candidates of {trained_on.get('config')} "
                              f"{trained_on.get('overrides')}, not of the audit's threat model")
         evidence = SpanEvidence(pipeline.target, list(pipeline.names), seq_len, seq_len)

@@ -45,11 +45,15 @@ def _evaluate(args: argparse.Namespace, argv: list[str]) -> None:
     from lti.candidates.weights import load_pointer
     from lti.trainer_cli import instantiate
 
+    if args.tail < 0 or args.limit < 0:
+        raise ValueError("--tail and --limit must be >= 0")
     data = load(args.eval)
     if args.tail:
         data = data.tail(min(args.tail, len(data)))
     if args.limit:
         data = data.head(args.limit)
+    if not len(data):
+        raise ValueError("no blocks to evaluate")
     meta = data.metadata
     _, threat = instantiate(meta["config"], json.loads(meta["overrides"]))
     target = threat.pipeline.target
@@ -57,6 +61,11 @@ def _evaluate(args: argparse.Namespace, argv: list[str]) -> None:
     differ = [k for k in SHARED if trained_on.get(k) != meta.get(k)]
     if differ:
         raise ValueError(f"the pointer was trained on candidates that differ from {args.eval[0]} in {', '.join(differ)}")
+    holdout = int(trained_on.get("holdout", 0))
+    if trained_on.get("split") == meta["split"] and not 0 < args.tail <= holdout:
+        # the training split's last `holdout` blocks were kept out of training; the rest were trained on
+        raise ValueError(f"{args.eval[0]} is the pointer's training split: evaluate its held-out blocks only "
+                         f"(--tail at most its --holdout, {holdout})")
     with torch.no_grad():
         logits = torch.cat([pointer(data.ids[i : i + 256], data.scores[i : i + 256], data.coefficients[i : i + 256])
                             for i in range(0, len(data), 256)])

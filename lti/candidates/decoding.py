@@ -24,6 +24,9 @@ DECODERS = ("argmax", "assign", "lm")
 
 def assign_positions(ids: Tensor, logits: Tensor) -> Tensor:
     """(U, L) tokens: the assignment of positions to distinct candidates of the largest summed log-probability."""
+    if ids.shape[1] < logits.shape[1]:
+        raise ValueError(f"decoding rule 'assign' puts each of {logits.shape[1]} positions on its own candidate: "
+                         f"{ids.shape[1]} candidates are too few (build with --count >= {logits.shape[1]})")
     logp = torch.log_softmax(logits.float(), -1)[..., :-1].cpu()
     columns = [torch.as_tensor(linear_sum_assignment(-logp[u].numpy())[1]) for u in range(logp.shape[0])]
     return ids.gather(1, torch.stack(columns).to(ids.device))

@@ -25,7 +25,7 @@ from lti.atomic_files import atomic_writer
 
 FORMAT = "lti-candidates-1"
 #: Metadata that must agree between the files one run reads.
-SHARED = ("format", "config", "overrides", "count", "seq_len", "coefficient_width", "vocab_size")
+SHARED = ("format", "config", "overrides", "count", "seq_len", "coefficient_width", "vocab_size", "hash_spec")
 
 
 @dataclass
@@ -90,7 +90,10 @@ def build(config: str, split: str, out: str | Path, count: int = 32, limit: int 
     tensors["truth"] = blocks.to(torch.int32)
     metadata = {"format": FORMAT, "config": str(config), "overrides": json.dumps(list(overrides)), "split": split,
                 "count": str(count), "seq_len": str(data.seq_len), "vocab_size": str(evidence.inputs.vocab_size),
-                "coefficient_width": str(tensors["coefficients"].shape[-1]), "blocks": str(len(blocks))}
+                "coefficient_width": str(tensors["coefficients"].shape[-1]), "blocks": str(len(blocks)),
+                # what determines the updates (observed parameters and the global model's weights), as the
+                # learned inverter's checkpoints record it: the audit compares it with its own
+                "hash_spec": json.dumps(pipeline.spec.to_dict())}
     for path, index in zip(paths, torch.arange(len(blocks)).tensor_split(len(paths))):
         path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_writer(path) as f:
@@ -107,14 +110,19 @@ def load(paths: Sequence[str | Path]) -> EvidenceSet:
     for path in paths:
         if not Path(path).is_file():
             raise FileNotFoundError(f"candidate evidence file {path} does not exist (lti candidates build writes it)")
-        with safe_open(str(path), "pt") as f:
-            metadata = f.metadata() or {}
-            if metadata.get("format") != FORMAT:
-                raise ValueError(f"{path} is not a candidate evidence file (format {metadata.get('format')!r})")
-            first = first or (path, metadata)
-            differ = [k for k in SHARED if metadata.get(k) != first[1].get(k)]
-            if differ:
-                raise ValueError(f"{path} and {first[0]} differ in {', '.join(differ)}: files of one threat model only")
-            parts.append({k: f.get_tensor(k) for k in ("ids", "scores", "coefficients", "truth")})
+        try:
+            with safe_open(str(path), "pt") as f:
+                metadata = f.metadata() or {}
+                tensors = {k: f.get_tensor(k) for k in ("ids", "scores", "coefficients", "truth")} \
+                    if metadata.get("format") == FORMAT else None
+        except Exception as error:  # safetensors' own error types are not ValueErrors
+            raise ValueError(f"{path} is not a readable safetensors file: {str(error).splitlines()[0]}") from None
+        if tensors is None:
+            raise ValueError(f"{path} is not a candidate evidence file (format {metadata.get('format')!r})")
+        first = first or (path, metadata)
+        differ = [k for k in (*SHARED, "split") if metadata.get(k) != first[1].get(k)]
+        if differ:
+            raise ValueError(f"{path} and {first[0]} differ in {', '.join(differ)}: files of one threat model and split only")
+        parts.append(tensors)
     cat = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
     return EvidenceSet(cat["ids"].long(), cat["scores"].float(), cat["coefficients"], cat["truth"].long(), dict(first[1]))

@@ -145,6 +145,7 @@ def fit(args, command: str) -> dict:
               **metrics}
     if data.holdout_set is not None:
         result["holdout_blocks"] = len(data.holdout_set)
-    save_pointer(module.pointer, out / "pointer.safetensors", meta)
+    save_pointer(module.pointer, out / "pointer.safetensors", meta, len(data.train_set),
+                 0 if data.holdout_set is None else len(data.holdout_set))
     write_text_atomically(out / "result.json", json.dumps(result, indent=2) + "\n")
     return result

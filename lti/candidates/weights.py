@@ -14,12 +14,14 @@ from lti.atomic_files import atomic_writer
 from lti.candidates.pointer import CandidatePointer
 
 
-def save_pointer(pointer: CandidatePointer, path: str | Path, evidence_metadata: dict) -> None:
-    """The trained weights (the fixed embedding is not among them) with the sizes and the threat model
-    in the metadata, written whole and renamed into place."""
+def save_pointer(pointer: CandidatePointer, path: str | Path, evidence_metadata: dict, train_blocks: int,
+                 holdout: int) -> None:
+    """The trained weights (the fixed embedding is not among them) with the sizes, the threat model and
+    the training split's blocks used (the first `train_blocks`; the `holdout` after them were not) in
+    the metadata, written whole and renamed into place."""
     metadata = {"sizes": json.dumps(pointer.sizes), "coefficient_width": str(pointer.coefficient_width),
-                "positions": str(pointer.positions),
-                **{f"evidence.{k}": v for k, v in evidence_metadata.items() if k not in ("split", "blocks")}}
+                "positions": str(pointer.positions), "train_blocks": str(train_blocks), "holdout": str(holdout),
+                **{f"evidence.{k}": v for k, v in evidence_metadata.items() if k != "blocks"}}
     state = {k: v.detach().cpu().contiguous() for k, v in pointer.state_dict().items()}
     with atomic_writer(path) as f:
         f.write(save(state, metadata=metadata))
@@ -29,13 +31,20 @@ def load_pointer(path: str | Path, embedding: Tensor) -> tuple[CandidatePointer,
     """A pointer saved by `save_pointer` (safetensors: no code runs on load), and its evidence metadata."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"pointer weights {path} do not exist (lti candidates fit writes pointer.safetensors)")
-    with safe_open(str(path), "pt") as f:
-        metadata = f.metadata() or {}
-        if "sizes" not in metadata:
-            raise ValueError(f"{path} holds no candidate pointer (no sizes in its metadata)")
-        state = {k: f.get_tensor(k) for k in f.keys()}
+    try:
+        with safe_open(str(path), "pt") as f:
+            metadata = f.metadata() or {}
+            state = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as error:  # safetensors' own error types are not ValueErrors
+        raise ValueError(f"{path} is not a readable safetensors file: {str(error).splitlines()[0]}") from None
+    if "sizes" not in metadata:
+        raise ValueError(f"{path} holds no candidate pointer (no sizes in its metadata)")
     pointer = CandidatePointer(embedding, int(metadata["coefficient_width"]), int(metadata["positions"]),
                                **json.loads(metadata["sizes"]))
-    pointer.load_state_dict(state)
+    try:
+        pointer.load_state_dict(state)
+    except RuntimeError as error:
+        raise ValueError(f"{path} does not fit a pointer of its own sizes: {str(error).splitlines()[0]}") from None
     evidence = {k[len("evidence."):]: v for k, v in metadata.items() if k.startswith("evidence.")}
-    return pointer.eval(), evidence
+    evidence.update({k: metadata[k] for k in ("train_blocks", "holdout") if k in metadata})
+    return pointer.to(embedding.device).eval(), evidence

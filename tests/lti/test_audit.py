@@ -338,9 +338,14 @@ def test_a_pointer_of_another_threat_model_is_refused(tiny_pointer, tmp_path):
     config = tmp_path / "rank4.yaml"
     config.write_text(Path(TINY).read_text().replace("rank: 8", "rank: 4"))
     options = AuditOptions(threat_model=str(config), out_dir=str(tmp_path / "a"), attacks=AttackOptions(pointer=tiny_pointer))
-    with pytest.raises(ValueError, match="not of the audit's threat model"):
+    with pytest.raises(ValueError, match="another threat model than the audit's"):
         Audit(options).run()
     assert not (tmp_path / "a").exists()
+    # The same threat model from a copy of its config elsewhere is the same threat model.
+    config.write_text(Path(TINY).read_text())
+    audit = Audit(AuditOptions(threat_model=str(config), out_dir=str(tmp_path / "b"), attacks=AttackOptions(pointer=tiny_pointer)))
+    audit._build()
+    assert audit.attacks.pointer is not None
 
 
 def test_clients_send_every_adapter_when_the_server_observes_a_subset():

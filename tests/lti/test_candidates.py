@@ -94,6 +94,14 @@ def test_evidence_files_round_trip_and_refuse_mixing_threat_models(tmp_path):
         load([paths[0], *other])
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load([tmp_path / "missing.safetensors"])
+    held_out = build(TINY, "evaluation", tmp_path / "eval.safetensors", count=12, limit=8, batch=8)
+    with pytest.raises(ValueError, match="differ in split"):  # client text never joins the server's
+        load([paths[0], *held_out])
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        load([tmp_path / "junk.safetensors"])
+    (tmp_path / "junk.safetensors").unlink()
+    (tmp_path / "eval.safetensors").unlink()
     with pytest.raises(ValueError, match="samples_per_update"):
         build(TINY, "auxiliary", tmp_path / "m2.safetensors", limit=8,
               overrides=["--data.client.init_args.local.init_args.samples_per_update", "2"])
@@ -154,6 +162,8 @@ def test_the_lm_beam_search_finds_the_brute_force_optimum_and_without_the_lm_is_
         assert found[u].tolist() == ids[u, list(best)].tolist()
     assigned = assign_positions(ids, logits)
     assert all(len(set(row)) == length for row in assigned.tolist())  # each candidate at most once
+    with pytest.raises(ValueError, match="too few"):
+        assign_positions(ids[:, :2], logits[..., [0, 1, 3]])  # 2 candidates for 3 positions
 
 
 def test_evaluate_scores_each_rule_and_refuses_candidates_of_another_threat_model(tmp_path, capsys):
@@ -170,6 +180,10 @@ def test_evaluate_scores_each_rule_and_refuses_candidates_of_another_threat_mode
     assert [(r["decode"], r["lm_weight"]) for r in rows] == [("argmax", None), ("assign", None), ("lm", 0.0), ("lm", 1.0)]
     assert all(r["blocks"] == 8 and r["split"] == "auxiliary" for r in rows)
     assert rows[2]["token_acc"] == rows[0]["token_acc"]  # the beam without the LM is the argmax
+    for tail in ("0", "9"):  # the whole training split, or more than its held-out blocks: refused
+        with pytest.raises(SystemExit) as error:
+            main(["candidates", "evaluate", "--pointer", pointer, "--eval", str(tmp_path / "aux.safetensors"), "--tail", tail])
+        assert error.value.code == 2 and "the pointer's training split" in capsys.readouterr().err
     build(TINY, "evaluation", tmp_path / "other.safetensors", count=6, limit=4)
     with pytest.raises(SystemExit) as error:
         main(["candidates", "evaluate", "--pointer", pointer, "--eval", str(tmp_path / "other.safetensors")])
