@@ -84,6 +84,14 @@ def cached_gguf_copy(folder: str, gguf_file: str, cache_dir: str | os.PathLike |
     return str(out)
 
 
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword a Hugging Face model's `forward` takes its key/value cache by: transformers 5 renamed
+    `past_key_values` to `cache` (the old name warns, then goes)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+
+
 class HFCausalLM(TargetLM):
     def __init__(
         self,

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
+from datamodules.targets.hf import cache_keyword
 from exact.dager.span import _TINY, SpanBasis, _orthonormal_complement
 from exact.layers import DagerLayers, capture_input
 
@@ -201,7 +202,7 @@ class _PrefixCache:
             pos = torch.full((tok.shape[0], 1), position, dtype=torch.long, device=tok.device)
             hidden = capture_input(
                 self.probe.layers.second_input_module,
-                lambda: self.base(input_ids=tok[:, None], past_key_values=cache, use_cache=True, position_ids=pos),
+                lambda: self.base(input_ids=tok[:, None], use_cache=True, position_ids=pos, **{cache_keyword(self.base): cache}),
             )
             dist = self.probe.basis.distance(hidden[:, -1]).cpu()
             local = retain(start, dist)

@@ -10,13 +10,12 @@
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from scipy.optimize import linear_sum_assignment
 from torch import Tensor, nn
 
 from datamodules.federated.protocols.base import model_mode
+from datamodules.targets.hf import cache_keyword
 from lti.candidates.pointer import predict_tokens
 
 DECODERS = ("argmax", "assign", "lm")
@@ -33,9 +32,7 @@ def assign_positions(ids: Tensor, logits: Tensor) -> Tensor:
 
 
 def _next_token_logp(lm: nn.Module, tokens: Tensor, cache) -> tuple[Tensor, object]:
-    # transformers renamed `past_key_values` to `cache` (5.x); both spellings are accepted here.
-    name = "cache" if "cache" in inspect.signature(type(lm).forward).parameters else "past_key_values"
-    out = lm(input_ids=tokens, use_cache=True, **({name: cache} if cache is not None else {}))
+    out = lm(input_ids=tokens, use_cache=True, **({cache_keyword(lm): cache} if cache is not None else {}))
     return torch.log_softmax(out.logits[:, -1].float(), -1), out["cache" if "cache" in out else "past_key_values"]
 
 
