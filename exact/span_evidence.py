@@ -31,6 +31,11 @@ from exact.option_group import OptionGroup
 DISTANCE_FLOOR = 1e-4
 
 
+def _finite(spaces: Tensor) -> Tensor:
+    """Input spaces in float64 with non-finite entries (a corrupted or adversarial update) set to 0."""
+    return torch.nan_to_num(spaces.detach().double(), nan=0.0, posinf=0.0, neginf=0.0)
+
+
 @dataclass(frozen=True)
 class EvidenceOptions(OptionGroup):
     """The hybrid learned attack's exact evidence (issue 33): DAGER's first-layer span test as an input.
@@ -95,7 +100,7 @@ class SpanEvidence(nn.Module):
         """One span basis per update of the batched update dict {name: (U, *shape)} (one batched eigendecomposition)."""
         spaces = self.input_spaces(update)  # (U, d, width)
         count = spaces.shape[0]
-        g = torch.nan_to_num(spaces.detach().double(), nan=0.0, posinf=0.0, neginf=0.0)
+        g = _finite(spaces)
         # The left singular vectors of g are the eigenvectors of g g^T (d x d). Small batched
         # decompositions run one matrix at a time on a GPU (milliseconds each), so they run on the CPU.
         values, vectors = torch.linalg.eigh((g @ g.transpose(1, 2)).cpu())
@@ -109,7 +114,7 @@ class SpanEvidence(nn.Module):
         SVD (d * width^2, not the d^3 of a full basis: LoRA's 2r columns are far fewer than d).
         `spaces`: the updates' `input_spaces`, if already computed."""
         spaces = self.input_spaces(update) if spaces is None else spaces
-        g = torch.nan_to_num(spaces.detach().double(), nan=0.0, posinf=0.0, neginf=0.0)
+        g = _finite(spaces)
         left, s, _ = torch.linalg.svd(g.cpu(), full_matrices=False)  # one matrix at a time on a GPU: on the CPU
         ranks = numerical_ranks(s, self.options.rank_tol).clamp_max(self.max_rank).tolist()
         return [left[u, :, : ranks[u]].to(spaces.device) for u in range(len(ranks))]
@@ -207,7 +212,7 @@ class CandidateEvidence:
     def __call__(self, update: dict[str, Tensor]) -> Candidates:
         spaces = self.evidence.input_spaces(update)
         bases = self.evidence.ranges(update, spaces)
-        spaces = torch.nan_to_num(spaces.detach().double(), nan=0.0, posinf=0.0, neginf=0.0)  # (U, d, width)
+        spaces = _finite(spaces)  # (U, d, width)
         x = self.vocabulary_inputs(spaces.device)
         x_sq = x.pow(2).sum(1)  # (V,)
         ids, scores, coefficients = [], [], []

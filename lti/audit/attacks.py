@@ -172,16 +172,22 @@ class RoundAttacks:
                 out[name]["seconds_per_update"] = seconds[name] / max(1, len(replies))
         return out
 
-    @torch.no_grad()
-    def probe(self, sent: dict[str, Tensor], ids: Tensor, chunk: int = 32) -> dict[str, dict]:
-        """The learned attacks on the updates the server simulates for `ids` (N, L) held-out sequences, one
-        per update, at this round's global weights: their accuracy there, i.e. how stale they are.
-        {"learned": scores, "pointer": scores}, each only where that attack runs."""
+    def probed(self) -> dict[str, Callable]:
+        """{name: predict(observed updates) -> (U, L) token ids} of the attacks the staleness probe runs:
+        the learned ones that read one-sequence updates."""
         attacks = {}
         if self.learned is not None and self.learned.sequences == 1:
             attacks["learned"] = lambda observed: self.learned.predict(observed.features)
         if self.pointer is not None:
             attacks["pointer"] = lambda observed: self.pointer.predict(self.pipeline.split(observed.update))
+        return attacks
+
+    @torch.no_grad()
+    def probe(self, sent: dict[str, Tensor], ids: Tensor, chunk: int = 32) -> dict[str, dict]:
+        """The learned attacks on the updates the server simulates for `ids` (N, L) held-out sequences, one
+        per update, at this round's global weights: their accuracy there, i.e. how stale they are.
+        {"learned": scores, "pointer": scores}, each only where that attack runs."""
+        attacks = self.probed()
         if not attacks:
             return {}
         load_adapter_state(self.pipeline, sent)

@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from lti.candidates.decoding import DECODERS
+
 FLOWER_DP = ("none", "local_dp", "fixed_clipping")
 
 
@@ -110,8 +112,8 @@ class AttackOptions:
         for r in self.rounds or []:
             if not 1 <= r <= rounds:
                 raise ValueError(f"attacks.rounds has round {r}, but the simulation runs rounds 1..{rounds}")
-        if self.pointer_decode not in ("argmax", "assign", "lm"):
-            raise ValueError(f"attacks.pointer_decode {self.pointer_decode!r} is not known; use argmax, assign or lm")
+        if self.pointer_decode not in DECODERS:
+            raise ValueError(f"attacks.pointer_decode {self.pointer_decode!r} is not known; use {', '.join(DECODERS)}")
         if self.probe_sequences < 0:
             raise ValueError(f"attacks.probe_sequences={self.probe_sequences} must be >= 0")
 

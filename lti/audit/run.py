@@ -165,7 +165,7 @@ class Audit:
         probe = min(self.options.attacks.probe_sequences, eval_ids.shape[0])
         self.probe_ids = eval_ids[torch.linspace(0, eval_ids.shape[0] - 1, probe).long()] if probe else eval_ids[:0]
         self.probe_baseline: float | None = None
-        if ((learned is not None and learned.sequences == 1) or pointer is not None) and len(self.probe_ids):
+        if self.attacks.probed() and len(self.probe_ids):
             # What the probe's accuracy is read against: an attack that reads nothing and guesses each
             # position's most frequent token in the server's data.
             majority = data.majority_tokens[: self.probe_ids.shape[1]].to(self.probe_ids.device, self.probe_ids.dtype)

@@ -20,6 +20,7 @@ import sys
 import time
 
 from lti.atomic_files import write_text_atomically
+from lti.candidates.decoding import DECODERS
 
 
 def _build(args: argparse.Namespace) -> None:
@@ -124,7 +125,7 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--eval", nargs="+", required=True, help="candidate files to score")
     e.add_argument("--tail", type=int, default=0, help="only the files' last TAIL blocks (a fit's --holdout)")
     e.add_argument("--limit", type=int, default=0, help="then only the first LIMIT blocks")
-    e.add_argument("--decode", nargs="+", default=["argmax"], choices=["argmax", "assign", "lm"])
+    e.add_argument("--decode", nargs="+", default=["argmax"], choices=DECODERS)
     e.add_argument("--lm_weight", nargs="+", type=float, default=[0.5], help="weights of the global model's log-probability (lm)")
     e.add_argument("--beam", type=int, default=8)
     e.add_argument("--out", default=None, help="a JSON file of the rows")

@@ -18,6 +18,7 @@ from datamodules.federated.protocols.base import model_mode
 from datamodules.targets.hf import cache_keyword
 from lti.candidates.pointer import predict_tokens
 
+#: The decoding rules, named once for the option checks of the commands on top.
 DECODERS = ("argmax", "assign", "lm")
 
 

@@ -62,9 +62,9 @@ def build(config: str, split: str, out: str | Path, count: int = 32, limit: int 
     threat model and store its `count` candidates. Returns the files written."""
     from lti.trainer_cli import instantiate  # the CLI layer builds the threat model from a config
 
-    paths = shard_paths(out, shards)
     if shards < 1:
         raise ValueError(f"--shards {shards} must be >= 1")
+    paths = shard_paths(out, shards)
     _, data = instantiate(config, list(overrides))
     if data.samples_per_update != 1:
         raise ValueError(f"candidate evidence reads updates of one sequence; the config's client sends "
