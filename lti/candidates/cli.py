@@ -27,7 +27,7 @@ def _build(args: argparse.Namespace) -> None:
     from lti.candidates.evidence_file import build
 
     for path in build(args.config, args.split, args.out, args.count, args.limit, args.overrides, args.batch,
-                      args.device, args.shards):
+                      args.device, args.shards, args.overwrite):
         print(f"wrote {path}")
 
 
@@ -99,6 +99,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--batch", type=int, default=64, help="updates simulated at once")
     b.add_argument("--device", default="cpu")
     b.add_argument("--shards", type=int, default=1, help="split the output into this many files")
+    b.add_argument("--overwrite", action="store_true", help="replace existing files of the same names")
     b.add_argument("overrides", nargs="*", help="`lti fit` overrides of the config (after --)")
     f = sub.add_parser("fit", help="train the pointer and evaluate it on held-out candidates")
     f.add_argument("--train", nargs="+", required=True, help="training candidate files (the server's text)")
@@ -118,6 +119,7 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--precision", default="32-true")
     f.add_argument("--seed", type=int, default=0)
     f.add_argument("--ckpt_path", default=None, help="resume from this checkpoint")
+    f.add_argument("--overwrite", action="store_true", help="replace an earlier run's files in --out_dir")
     f.add_argument("--holdout", type=int, default=0,
                    help="keep the training files' last HOLDOUT blocks out of training (to choose decoding settings on)")
     e = sub.add_parser("evaluate", help="score a trained pointer on candidate files, decoding rule by rule")

@@ -57,14 +57,19 @@ def shard_paths(out: str | Path, shards: int) -> list[Path]:
 
 
 def build(config: str, split: str, out: str | Path, count: int = 32, limit: int | None = None,
-          overrides: Sequence[str] = (), batch: int = 64, device: str = "cpu", shards: int = 1) -> list[Path]:
+          overrides: Sequence[str] = (), batch: int = 64, device: str = "cpu", shards: int = 1,
+          overwrite: bool = False) -> list[Path]:
     """Simulate the update of each of the first `limit` blocks of `split` under the `lti fit` config's
-    threat model and store its `count` candidates. Returns the files written."""
+    threat model and store its `count` candidates. Returns the files written; existing files of the same
+    names are refused before any work unless `overwrite`."""
     from lti.trainer_cli import instantiate  # the CLI layer builds the threat model from a config
 
     if shards < 1:
         raise ValueError(f"--shards {shards} must be >= 1")
     paths = shard_paths(out, shards)
+    existing = [p for p in paths if p.exists()]
+    if existing and not overwrite:
+        raise ValueError(f"{existing[0]} exists: choose another --out, or --overwrite")
     _, data = instantiate(config, list(overrides))
     if data.samples_per_update != 1:
         raise ValueError(f"candidate evidence reads updates of one sequence; the config's client sends "

@@ -109,7 +109,26 @@ class CandidatePointerModule(LightningModule):
 
 def fit(args, command: str) -> dict:
     """`lti candidates fit` (`lti.candidates.cli` parses `args`): train, validate the final weights, save
-    them with `result.json`; returns the result."""
+    them with `result.json`; returns the result. A second run never replaces a first one's files unasked."""
+    from lti.checkpoint_folder import checkpoint_files, claim
+
+    out = Path(args.out_dir)
+    earlier = [p for p in (out / "pointer.safetensors", out / "result.json") if p.exists()]
+    earlier += checkpoint_files(out / "checkpoints")
+    if earlier and args.ckpt_path is None and not args.overwrite:
+        # a second run never replaces a first one's weights, curve or checkpoints unasked
+        raise ValueError(f"--out_dir {out} holds an earlier run ({', '.join(p.name for p in earlier)}): resume it with "
+                         f"--ckpt_path {out / 'checkpoints' / 'last.ckpt'}, choose another --out_dir, or --overwrite")
+    folder = claim(out / "checkpoints", args.ckpt_path, args.overwrite)  # one run at a time in this folder
+    try:
+        if args.overwrite and args.ckpt_path is None:
+            (out / "curve.csv").unlink(missing_ok=True)  # claim removed the earlier checkpoints; the curve goes too
+        return _fit(args, command, out)
+    finally:
+        folder.release()
+
+
+def _fit(args, command: str, out: Path) -> dict:
     from lightning.pytorch import Trainer, seed_everything
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
@@ -127,7 +146,6 @@ def fit(args, command: str) -> dict:
                                     int(meta["seq_len"]), args.hidden, args.layers, args.heads, args.dropout, args.lr,
                                     args.weight_decay, args.max_steps, decode=threat.decode,
                                     majority=data.majority_tokens())
-    out = Path(args.out_dir)
     trainer = Trainer(accelerator=args.accelerator, devices=1, max_steps=args.max_steps, max_time=args.max_time,
                       val_check_interval=args.val_every, check_val_every_n_epoch=None, num_sanity_val_steps=0,
                       logger=CSVLogger(out, name="logs"), default_root_dir=out, precision=args.precision,

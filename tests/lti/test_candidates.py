@@ -122,6 +122,17 @@ def test_fit_learns_the_order_beyond_the_span_test_alone(tmp_path, capsys):
           "--layers", "2", "--batch_size", "32"])
     result = json.loads((tmp_path / "fit" / "result.json").read_text())
     assert result["steps"] == 150 and result["eval_blocks"] == 128
+    # A second run into the same folder, or onto the same candidate file, is refused: nothing is replaced.
+    weights = (tmp_path / "fit" / "pointer.safetensors").read_bytes()
+    with pytest.raises(SystemExit) as error:
+        main(["candidates", "fit", "--train", str(tmp_path / "aux.safetensors"), "--eval", str(tmp_path / "eval.safetensors"),
+              "--out_dir", str(tmp_path / "fit"), "--max_steps", "2"])
+    assert error.value.code == 2 and "holds an earlier run" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as error:
+        main(["candidates", "build", "--config", TINY, "--split", "evaluation", "--limit", "4",
+              "--out", str(tmp_path / "eval.safetensors")])
+    assert error.value.code == 2 and "exists" in capsys.readouterr().err
+    assert (tmp_path / "fit" / "pointer.safetensors").read_bytes() == weights
     assert result["val/token_acc"] > result["val/top_candidate_acc"] + 0.15, result
     rows = (tmp_path / "fit" / "curve.csv").read_text().splitlines()
     assert rows[0].startswith("step,samples,wall_minutes") and len(rows) == 3
