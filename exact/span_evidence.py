@@ -22,8 +22,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from datamodules.targets.hf import cache_keyword
 from exact.dager.span import SpanBasis, numerical_ranks, token_distances
-from exact.layers import find_layers
+from exact.layers import capture_input, find_layers
 from exact.option_group import OptionGroup
 
 #: Added to every distance before the log: distances below it (exact membership up to float32
@@ -233,3 +234,74 @@ class CandidateEvidence:
             scores.append(top.values.float())
             coefficients.append((solution / norm).float())
         return Candidates(torch.cat(ids), torch.cat(scores), torch.cat(coefficients))
+
+
+class SecondLayerEvidence:
+    """DAGER's second-layer test as a graded score of candidate prefixes, for a decoder's beam search.
+
+    The rows of the second attention layer's weight gradient (its LoRA adapters' lora_A rows) lie in
+    the span of that layer's inputs, and in a causal model the input at position p depends on the
+    prefix up to p only. So a prefix's last input has a distance to the span: about 1e-6 for the
+    client's own prefix (one sequence, no defense) against 1e-2 and more for others, and a ranking
+    still under clipping or rounding. The score is -log(distance + DISTANCE_FLOOR).
+
+    In a causal language model's update the last of the `seq_len` tokens is a label only (its inputs
+    get no gradient), so only the first `seq_len - 1` positions are scored. Each call runs block 0
+    alone for one new token per prefix, from the prefixes' layer-0 key/value cache (as DAGER's
+    causal search does); the cache rows are returned for the caller to keep the extensions it chooses.
+    """
+
+    def __init__(self, target: nn.Module, observed: list[str], seq_len: int, rank_tol: float = 1e-6,
+                 blocks: str = "qkv") -> None:
+        try:
+            layers = find_layers(target)
+        except ValueError as error:
+            raise ValueError(f"the second-layer test needs the target's first two attention layers: {error}") from None
+        if not layers.causal or layers.hf_base_model is None:
+            raise ValueError("the second-layer test scores prefixes of a causal Hugging Face decoder; "
+                             f"this target is {layers.architecture}")
+        sources = layers.second.sources(set(observed), blocks)
+        if sources is None:
+            raise ValueError(f"the second-layer test reads the second attention layer's gradient "
+                             f"({', '.join(layers.second.names(blocks))}, or its LoRA adapters' lora_A), which the "
+                             "server does not observe")
+        self.layers, self.blocks, self.rank_tol = layers, blocks, rank_tol
+        self.names = [name for _, name in sources]
+        self.visible = seq_len - 1  # the last token is a label only
+
+    def input_spaces(self, update: dict[str, Tensor]) -> Tensor:
+        """(U, d, width) float32: each update's second-layer gradient as columns in its input space."""
+        count = next(iter(update.values())).shape[0]
+        return torch.stack([self.layers.second.input_space({n: update[n][u] for n in self.names}, self.blocks)
+                            for u in range(count)]).float()
+
+    def ranges(self, spaces: Tensor) -> Tensor:
+        """(U, d, r) float64 orthonormal bases of the spans (thin SVD), capped at the `seq_len - 1`
+        inputs of one sequence; an update of lower numerical rank is padded with zero columns."""
+        left, s, _ = torch.linalg.svd(_finite(spaces).cpu(), full_matrices=False)
+        ranks = numerical_ranks(s, self.rank_tol).clamp_max(self.visible)
+        keep = torch.arange(left.shape[-1])[None] < ranks[:, None]  # (U, width)
+        width = int(ranks.max()) if ranks.numel() else 0
+        return (left * keep[:, None]).narrow(-1, 0, max(width, 1)).to(spaces.device)
+
+    @torch.no_grad()
+    def extend(self, tokens: Tensor, position: int, ranges: Tensor,
+               cache: tuple[Tensor, Tensor] | None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """Scores (n, g) of g prefixes per update, whose layer-0 key/value cache is `cache` (rows
+        (n g, ...); None at position 0), extended by `tokens` (n g,) at `position`, against each
+        update's `ranges` (n, d, r); and the extended prefixes' cache (rows (n g, ...))."""
+        from transformers import DynamicCache
+
+        base = self.layers.hf_base_model
+        device = self.layers.inputs.embedding.device
+        tokens = tokens.to(device)
+        kv = DynamicCache() if cache is None else DynamicCache(ddp_cache_data=[cache])
+        positions = torch.full((tokens.shape[0], 1), position, dtype=torch.long, device=device)
+        hidden = capture_input(self.layers.second_input_module, lambda: base(
+            input_ids=tokens[:, None], position_ids=positions, use_cache=True, **{cache_keyword(base): kv}))
+        v = hidden[:, -1].double().view(ranges.shape[0], -1, hidden.shape[-1])  # (n, g, d)
+        inside = torch.matmul(v, ranges.to(v)).pow(2).sum(-1)
+        norm = v.pow(2).sum(-1)
+        distance = ((norm - inside).clamp_min(0) / norm.clamp_min(1e-300)).sqrt()
+        layer = kv.layers[0]
+        return -torch.log(distance + DISTANCE_FLOOR).float(), (layer.keys, layer.values)

@@ -1,6 +1,7 @@
 """Benchmarks that quote numbers in the docs: they run, and their derived columns follow from the measured ones."""
 
 import importlib
+import json
 from pathlib import Path
 
 import pytest
@@ -343,3 +344,27 @@ def test_lora_update_throughput_smollm2_shape_is_smollm2_135m_without_its_weight
         assert sum(p.numel() for p in model.parameters()) == 134_515_008
         adapted = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
     assert sum(p.numel() for n, p in adapted.named_parameters() if "lora_" in n) == 460_800
+
+
+def test_the_second_layer_investigation_decodes_four_ways_and_runs_dager_on_the_same_updates(tmp_path):
+    """benchmarks/investigations/candidates/second_layer.py on the tiny LoRA Llama: the four decodings of one
+    pointer's logits and DAGER on each block's update, simulated again from the file's threat model."""
+    from lti.cli import main as lti_main
+
+    tiny = str(REPO / "configs" / "audit" / "tiny_llama_lora.yaml")
+    lti_main(["candidates", "build", "--config", tiny, "--split", "auxiliary", "--limit", "64", "--count", "12",
+              "--out", str(tmp_path / "aux.safetensors")])
+    lti_main(["candidates", "build", "--config", tiny, "--split", "evaluation", "--limit", "8", "--count", "12",
+              "--second_layer", "--out", str(tmp_path / "eval.safetensors")])
+    lti_main(["candidates", "fit", "--train", str(tmp_path / "aux.safetensors"), "--eval", str(tmp_path / "eval.safetensors"),
+              "--out_dir", str(tmp_path / "fit"), "--max_steps", "4", "--val_every", "4", "--hidden", "16", "--layers", "1",
+              "--heads", "2", "--batch_size", "16"])
+    module = load_benchmark("investigations.candidates.second_layer")
+    rows = {r["decoding"]: r for r in module.main(["--pointer", str(tmp_path / "fit" / "pointer.safetensors"), "--eval",
+                                                  str(tmp_path / "eval.safetensors"), "--dager", "--out", str(tmp_path / "rows.json")])}
+    assert len(rows) == 5 and all(r["blocks"] == 8 and r["sequences"] == 8 for r in rows.values())
+    # the update itself checks each prefix: the test lifts the barely trained pointer's decoding
+    checked = rows["pointer + prior + second-layer test (second_layer)"]["token_acc"]
+    assert checked > rows["pointer + prior (lm)"]["token_acc"] + 0.1
+    assert rows["DAGER"]["token_acc"] >= 0.8  # all but the label-only last token of most sequences
+    assert json.loads((tmp_path / "rows.json").read_text())["rows"][0]["decoding"] == "pointer + prior (lm)"

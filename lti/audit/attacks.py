@@ -3,7 +3,9 @@ pointer, scored alike.
 
 The server reads each client's update off the arrays Flower delivered: a client returned w - lr * u,
 so u = (w - returned) / lr at the round's global weights w (computed in float64; the float32 rounding
-of the returned weights stays in it, as it does for a real server). The attacks see only that update
+of the returned weights stays in it, as it does for a real server). A FedAvg client of T local SGD
+steps returned w - lr * (sum of its steps' gradients): u = (w - returned) / (T lr) is their mean, the
+gradient the attacks read (DAGER also tests its second layer along the straight path of the steps). The attacks see only that update
 and the round's global model; the clients' true sequences are used for scoring alone.
 """
 
@@ -26,9 +28,11 @@ from lti.audit.federation import load_adapter_state
 from lti.checkpoint_files import load_checked
 
 
-def observed_update(sent: dict[str, Tensor], returned: dict[str, Tensor], lr: float, names: list[str]) -> Tensor:
-    """(D,) the client's update u in the pipeline's order, from the arrays sent and the arrays returned."""
-    parts = [((sent[n].double() - returned[n].double()) / lr).flatten() for n in names]
+def observed_update(sent: dict[str, Tensor], returned: dict[str, Tensor], lr: float, names: list[str],
+                    steps: int = 1) -> Tensor:
+    """(D,) the client's update u in the pipeline's order, from the arrays sent and the arrays returned
+    (the mean gradient of its `steps` local steps)."""
+    parts = [((sent[n].double() - returned[n].double()) / (lr * steps)).flatten() for n in names]
     return torch.cat(parts).to(torch.float32)
 
 
@@ -84,8 +88,8 @@ class PointerAttack:
     each update (`exact.span_evidence.CandidateEvidence`), ordered by the pointer, decoded by `rule`."""
 
     def __init__(self, path: str, pipeline: UpdatePipeline, seq_len: int, threat_model: str, threat_model_args: list[str],
-                 rule: str = "argmax", lm_weight: float = 0.5) -> None:
-        from exact.span_evidence import CandidateEvidence, SpanEvidence
+                 rule: str = "argmax", lm_weight: float = 0.5, second_weight: float = 1.0) -> None:
+        from exact.span_evidence import CandidateEvidence, SecondLayerEvidence, SpanEvidence
         from lti.candidates.weights import load_pointer
 
         self.pointer, trained_on = load_pointer(path, pipeline.target.embedding_matrix)
@@ -103,7 +107,8 @@ class PointerAttack:
                              f"{trained_on.get('overrides')}, not of the audit's threat model")
         evidence = SpanEvidence(pipeline.target, list(pipeline.names), seq_len, seq_len)
         self.candidates = CandidateEvidence(evidence, int(trained_on["count"]))
-        self.pipeline, self.rule, self.lm_weight, self.path = pipeline, rule, lm_weight, path
+        self.second = SecondLayerEvidence(pipeline.target, list(pipeline.names), seq_len) if rule == "second_layer" else None
+        self.pipeline, self.rule, self.lm_weight, self.second_weight, self.path = pipeline, rule, lm_weight, second_weight, path
 
     @torch.no_grad()
     def predict(self, update: dict[str, Tensor]) -> Tensor:
@@ -113,15 +118,20 @@ class PointerAttack:
         found = self.candidates(update)
         # The pointer trained on coefficients stored in float16: it reads them rounded alike.
         logits = self.pointer(found.ids, found.scores, found.coefficients.half().float())
-        return decode_candidates(found.ids, logits, self.rule, self.pipeline.target.model, self.lm_weight)
+        spaces = None if self.second is None else self.second.input_spaces(update)
+        return decode_candidates(found.ids, logits, self.rule, self.pipeline.target.model, self.lm_weight, 8,
+                                 self.second, spaces, self.second_weight)
 
 
 class RoundAttacks:
     """Runs the chosen attacks on one round's updates with the server's pipeline at that round's weights."""
 
     def __init__(self, pipeline: UpdatePipeline, decode: Callable[[list[int]], str], seq_len: int, lr: float,
-                 dager: bool, learned: LearnedInverter | None, samples: int, pointer: PointerAttack | None = None) -> None:
-        self.pipeline, self.decode, self.seq_len, self.lr = pipeline, decode, seq_len, lr
+                 dager: bool, learned: LearnedInverter | None, samples: int, pointer: PointerAttack | None = None,
+                 steps: int = 1) -> None:
+        self.pipeline, self.decode, self.seq_len, self.lr, self.steps = pipeline, decode, seq_len, lr, steps
+        #: DAGER's second-layer test also at w - s * u for the offsets s of the clients' local steps
+        self.trajectory = tuple(t * lr for t in range(steps)) if steps > 1 else ()
         self.dager = Dager() if dager else None
         self.learned, self.pointer = learned, pointer
         self.samples = samples
@@ -134,13 +144,14 @@ class RoundAttacks:
         tallies: dict[str, Tally] = {}
         seconds: dict[str, float] = {}
         for kept, client in enumerate(sorted(replies)):
-            update = observed_update(sent, replies[client], self.lr, names)
+            update = observed_update(sent, replies[client], self.lr, names, self.steps)
             ids = batches[client]
             keep = kept < self.samples
             if self.dager is not None:
                 start = time.perf_counter()
                 split = {name: grads[0] for name, grads in self.pipeline.split(update[None]).items()}
-                result = self.dager.attack(self.pipeline.target, split, batch_size=ids.shape[0], max_length=self.seq_len)
+                result = self.dager.attack(self.pipeline.target, split, batch_size=ids.shape[0], max_length=self.seq_len,
+                                           trajectory=self.trajectory)
                 seconds["dager"] = seconds.get("dager", 0.0) + time.perf_counter() - start
                 tally = tallies.setdefault("dager", Tally())
                 tally.add(score_batch(result.sequences, ids, None, self.decode, result.exact), client, keep)

@@ -2,8 +2,9 @@
 
 - `make_client_app`: a Flower `ClientApp` whose clients train with the workbench's client code (the
   threat model's `UpdatePipeline`: peft LoRA adapters, FedSGD per-sample gradients of a batch of B
-  sequences, train-mode dropout, the workbench defense) and return their new adapter weights
-  w - lr * update, through Flower's DP mods when asked.
+  sequences or FedAvg's local SGD steps over them, train-mode dropout, the workbench defense) and
+  return their new adapter weights (w - lr * update, or FedAvg's w - delta), through Flower's DP mods
+  when asked.
 - `ObservedFedAvg`: Flower's `FedAvg` (message API) that first hands every reply's arrays, exactly as
   Flower delivered them, with the arrays it sent that round, to an observer; then aggregates as usual.
 - `SerialGrid`: a Flower `Grid` that runs the `ClientApp` of every node in this process, one message at
@@ -31,7 +32,7 @@ from flwr.serverapp.strategy import FedAvg
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
-from datamodules.federated import FedSGDClient, LoRAClient, UpdatePipeline
+from datamodules.federated import FedAvgClient, FedSGDClient, LoRAClient, UpdatePipeline
 from datamodules.federated.hashing import FeatureHasher, Hashing
 
 #: The keys of the records a train message and its reply carry (Flower's FedAvg defaults).
@@ -40,11 +41,13 @@ ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"
 ROUND_OFFSET = "audit-round-offset"
 
 
-def client_pipeline(server_pipeline: UpdatePipeline, batch_size: int) -> UpdatePipeline:
+def client_pipeline(server_pipeline: UpdatePipeline, batch_size: int, local_epochs: int = 1,
+                    minibatch_size: int | None = None, lr: float = 1e-3) -> UpdatePipeline:
     """The clients' own copy of the threat model's pipeline (a separate model object), with B sequences
     per update, computing every adapter's update: a client sends all its adapters, whatever subset the
-    server's threat model observes (`data.observed` selects what the server's inverter reads). Only
-    LoRA clients with a FedSGD local computation are simulated: they return one step."""
+    server's threat model observes (`data.observed` selects what the server's inverter reads). The
+    threat model's LoRA client must take a FedSGD step; with `local_epochs` > 1 or a `minibatch_size`
+    below B the clients run FedAvg instead (local SGD at `lr`, in the threat model's mode)."""
     client = server_pipeline.client
     if not isinstance(client, LoRAClient):
         raise ValueError(f"the audit federates LoRA fine-tuning; the threat model's client is {type(client).__name__} "
@@ -53,7 +56,11 @@ def client_pipeline(server_pipeline: UpdatePipeline, batch_size: int) -> UpdateP
         raise ValueError(f"the audit's clients take one FedSGD step per round; the threat model's LoRA local "
                          f"computation is {type(client.local).__name__} (use FedSGDClient)")
     pipeline = copy.deepcopy(server_pipeline)
-    local = FedSGDClient(client.local.mode, batch_size, client.local.implementation)
+    minibatch = minibatch_size or batch_size
+    if local_epochs == 1 and minibatch == batch_size:
+        local = FedSGDClient(client.local.mode, batch_size, client.local.implementation)
+    else:
+        local = FedAvgClient(client.local.mode, batch_size, local_epochs, minibatch, lr)
     lora = copy.copy(pipeline.client)
     lora.local = local
     pipeline.client = lora  # the deep copy's own: its model already carries the adapters
@@ -94,15 +101,23 @@ def load_adapter_state(pipeline: UpdatePipeline, state: dict[str, torch.Tensor])
 ClientData = Callable[[int, int], dict[str, torch.Tensor]]
 
 
+def weight_change(pipeline: UpdatePipeline, lr: float) -> float:
+    """What a client's update is multiplied by to give w - new w: lr for a FedSGD gradient, 1 for
+    FedAvg's delta (its local steps already took lr)."""
+    return lr if isinstance(pipeline.client.local, FedSGDClient) else 1.0
+
+
 def make_client_app(pipeline: UpdatePipeline, data: ClientData, lr: float, mods: list | None = None,
                     sent: Callable[[int, int, ArrayRecord], None] | None = None) -> ClientApp:
     """A Flower `ClientApp`: on a train message, load the global adapters, compute the update of this
-    client's batch for the round with the workbench's pipeline, return w - lr * update.
+    client's batch for the round with the workbench's pipeline, return w - lr * update (FedSGD) or
+    w - delta (FedAvg: the pipeline's update is the delta of its local steps).
 
     `sent(client, round, arrays)`, when given, records what the client's own code returned (before Flower's
     mods), for tests of what reaches the server.
     """
     app = ClientApp(mods=list(mods or []))
+    step = weight_change(pipeline, lr)
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
@@ -117,7 +132,7 @@ def make_client_app(pipeline: UpdatePipeline, data: ClientData, lr: float, mods:
         update = pipeline(batch, keep_update=True, generator=generator).update[0]
         new_state = {}
         for name, delta in pipeline.split(update[None]).items():
-            new_state[name] = (global_state[name].to(torch.float32) - lr * delta[0].to(torch.float32)).contiguous()
+            new_state[name] = (global_state[name].to(torch.float32) - step * delta[0].to(torch.float32)).contiguous()
         arrays = ArrayRecord(torch_state_dict=new_state)
         if sent is not None:
             sent(client, absolute_round, arrays)

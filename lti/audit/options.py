@@ -25,7 +25,11 @@ class FederationOptions:
         clients: Flower clients (SuperNodes); each holds its own documents of the evaluation split.
         rounds: Federated rounds.
         batch_size: Sequences B in a client's update (overrides the threat model's samples per update).
-        lr: Client learning rate: a client returns w - lr * update (FedSGD).
+        lr: Client learning rate: a client returns w - lr * update (FedSGD), or runs its local SGD steps at it.
+        local_epochs: E, passes a client makes over its B sequences per round. 1 with `minibatch_size` None:
+            one FedSGD step; more (or smaller minibatches): FedAvg, E * ceil(B / minibatch) local SGD steps
+            (`datamodules.federated.FedAvgClient`), the client returning its new weights.
+        minibatch_size: Sequences per local step (None: all B).
         seed: Seed of the clients' batch draws (each client holds a fixed, consecutive part of the evaluation split).
     """
 
@@ -33,7 +37,13 @@ class FederationOptions:
     rounds: int = 3
     batch_size: int = 1
     lr: float = 1.0e-3
+    local_epochs: int = 1
+    minibatch_size: int | None = None
     seed: int = 0
+
+    def local_steps(self) -> int:
+        """Local SGD steps per client and round (1: FedSGD)."""
+        return self.local_epochs * math.ceil(self.batch_size / (self.minibatch_size or self.batch_size))
 
     def check(self) -> None:
         if self.clients < 1:
@@ -44,6 +54,10 @@ class FederationOptions:
             raise ValueError(f"federation.batch_size={self.batch_size} must be >= 1")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"federation.lr={self.lr} must be a finite number > 0")
+        if self.local_epochs < 1:
+            raise ValueError(f"federation.local_epochs={self.local_epochs} must be >= 1")
+        if self.minibatch_size is not None and not 1 <= self.minibatch_size <= self.batch_size:
+            raise ValueError(f"federation.minibatch_size={self.minibatch_size} must be in [1, batch_size = {self.batch_size}]")
 
 
 @dataclass
@@ -92,9 +106,11 @@ class AttackOptions:
         checkpoint: The server's learned inverter (an `lti fit` checkpoint trained under `threat_model`); None: no learned attack.
         pointer: The candidate pointer (`pointer.safetensors` of `lti candidates fit`, trained on candidates of
             `threat_model`): the span test's bag of tokens, ordered by a learned network; None: not run.
-        pointer_decode: How the pointer's output becomes text: `argmax`, `assign` (each candidate once) or `lm`
-            (a beam search adding the global model's own next-token log-probability).
-        pointer_lm_weight: The weight of that log-probability under `lm`.
+        pointer_decode: How the pointer's output becomes text: `argmax`, `assign` (each candidate once), `lm`
+            (a beam search adding the global model's own next-token log-probability) or `second_layer` (that
+            beam search with every prefix also scored by DAGER's second-layer span test of the update).
+        pointer_lm_weight: The weight of that log-probability under `lm` and `second_layer`.
+        pointer_second_weight: The weight of the second-layer test's score under `second_layer`.
         probe_sequences: Measure the learned attacks' accuracy there (their staleness); 0: only the Flower clients' own updates.
         samples: Clients per round and attack whose reconstructions are shown next to their originals in the report.
     """
@@ -105,6 +121,7 @@ class AttackOptions:
     pointer: str | None = None
     pointer_decode: str = "argmax"
     pointer_lm_weight: float = 0.5
+    pointer_second_weight: float = 1.0
     probe_sequences: int = 128
     samples: int = 3
 

@@ -82,13 +82,17 @@ def write_report(out: Path, options: AuditOptions, records: list[dict], learned,
         f"Threat model: `{options.threat_model}`"
         + (f" with `{' '.join(options.threat_model_args)}`" if options.threat_model_args else "")
         + f"; {fed.clients} Flower clients × {fed.rounds} rounds, "
-        f"B = {fed.batch_size} sequences per update, FedSGD step lr = {fed.lr}; Flower DP: {dp.mode}"
+        f"B = {fed.batch_size} sequences per update, "
+        + (f"FedSGD step lr = {fed.lr}" if fed.local_steps() == 1 else
+           f"FedAvg: {fed.local_steps()} local SGD steps at lr = {fed.lr}") + f"; Flower DP: {dp.mode}"
         + ("" if dp.mode == "none" else f" (clipping norm {dp.clipping_norm}"
            + (f", ε = {dp.epsilon} per round, δ = {dp.delta})" if dp.mode == "local_dp"
               else f", noise multiplier {dp.noise_multiplier} on the aggregate)")) + ".",
         f"Learned inverter: `{learned.checkpoint}`." if learned is not None else "Learned inverter: none.",
         f"Candidate pointer: `{pointer.path}`, decoded by {pointer.rule}"
-        + (f" (global model's log-probability weighted {pointer.lm_weight})." if pointer.rule == "lm" else ".")
+        + (f" (global model's log-probability weighted {pointer.lm_weight})." if pointer.rule == "lm" else
+           f" (global model's log-probability weighted {pointer.lm_weight}, second-layer span test's score weighted "
+           f"{pointer.second_weight})." if pointer.rule == "second_layer" else ".")
         if pointer is not None else "Candidate pointer: none.",
         f"Wall time of this invocation: {seconds / 60:.1f} min.",
         *notes,

@@ -129,7 +129,8 @@ class Audit:
         data.setup("validate")
         self.data = data
         self.server = data.pipeline
-        self.clients = client_pipeline(self.server, self.options.federation.batch_size)
+        fed = self.options.federation
+        self.clients = client_pipeline(self.server, fed.batch_size, fed.local_epochs, fed.minibatch_size, fed.lr)
         if data.packing != "blocks":
             raise ValueError(f"the audit needs data.packing: blocks (every token real); the threat model has {data.packing!r}")
         eval_ids, _ = data.blocks("evaluation")
@@ -151,16 +152,20 @@ class Audit:
         if self.options.attacks.pointer:
             pointer = PointerAttack(self.options.attacks.pointer, self.server, data.seq_len, self.options.threat_model,
                                     list(self.options.threat_model_args), self.options.attacks.pointer_decode,
-                                    self.options.attacks.pointer_lm_weight)
+                                    self.options.attacks.pointer_lm_weight, self.options.attacks.pointer_second_weight)
             if self.options.federation.batch_size != 1:
                 self.notes.append(f"The candidate pointer reads updates of one sequence; the clients send "
                                   f"{self.options.federation.batch_size}: it runs on the staleness probe only.")
         if self.options.flower_dp.mode == "fixed_clipping":
             self.notes.append("Under fixed clipping the server reads every clipped update before Flower adds noise to "
                               "the aggregate: ε bounds what the released model leaks, not what the server reads.")
+        if fed.local_steps() > 1:
+            self.notes.append(f"The clients run FedAvg: {fed.local_steps()} local SGD steps (lr {fed.lr}) per round; the "
+                              "server attacks their mean gradient (w - returned) / (steps * lr), DAGER also along the "
+                              "clients' path. The staleness probe simulates the threat model's one-step updates.")
         self.attacks = RoundAttacks(self.server, lambda t: data.tokenizer.decode(t), data.seq_len,
-                                    self.options.federation.lr, self.options.attacks.dager, learned,
-                                    self.options.attacks.samples, pointer)
+                                    fed.lr, self.options.attacks.dager, learned, self.options.attacks.samples, pointer,
+                                    fed.local_steps())
         # Spread over the whole split, so over every client's documents.
         probe = min(self.options.attacks.probe_sequences, eval_ids.shape[0])
         self.probe_ids = eval_ids[torch.linspace(0, eval_ids.shape[0] - 1, probe).long()] if probe else eval_ids[:0]

@@ -4,6 +4,7 @@
     lti candidates build --config configs/audit/inverter_smollm2_lora.yaml --split evaluation --limit 512 --out runs/candidates/eval.safetensors
     lti candidates fit --train runs/candidates/aux.safetensors --eval runs/candidates/eval.safetensors --out_dir runs/candidates/fit
     lti candidates evaluate --pointer runs/candidates/fit/pointer.safetensors --eval runs/candidates/eval.safetensors --decode argmax lm
+    # the second-layer check needs each update's second-layer gradient in the file: build with --second_layer
 
 `build` simulates one update per block under the config's threat model (its target, client, defense)
 and stores each update's candidates; `fit` trains the pointer on the training file's and evaluates on
@@ -27,7 +28,7 @@ def _build(args: argparse.Namespace) -> None:
     from lti.candidates.evidence_file import build
 
     for path in build(args.config, args.split, args.out, args.count, args.limit, args.overrides, args.batch,
-                      args.device, args.shards, args.overwrite):
+                      args.device, args.shards, args.overwrite, args.skip, args.second_layer):
         print(f"wrote {path}")
 
 
@@ -41,6 +42,7 @@ def _evaluate(args: argparse.Namespace, argv: list[str]) -> None:
     import torch
 
     from datamodules.metrics import rouge_f
+    from exact.span_evidence import SecondLayerEvidence
     from lti.candidates.decoding import decode_candidates
     from lti.candidates.evidence_file import SHARED, load
     from lti.candidates.weights import load_pointer
@@ -62,29 +64,51 @@ def _evaluate(args: argparse.Namespace, argv: list[str]) -> None:
     differ = [k for k in SHARED if trained_on.get(k) != meta.get(k)]
     if differ:
         raise ValueError(f"the pointer was trained on candidates that differ from {args.eval[0]} in {', '.join(differ)}")
-    holdout = int(trained_on.get("holdout", 0))
-    if trained_on.get("split") == meta["split"] and not 0 < args.tail <= holdout:
-        # the training split's last `holdout` blocks were kept out of training; the rest were trained on
-        raise ValueError(f"{args.eval[0]} is the pointer's training split: evaluate its held-out blocks only "
-                         f"(--tail at most its --holdout, {holdout})")
+    if trained_on.get("split") == meta["split"]:
+        _check_held_out(data, trained_on, args.tail, args.eval[0])
+    second = None
+    if "second_layer" in args.decode:
+        if data.second_spaces is None:
+            raise ValueError(f"decoding rule second_layer reads each update's second-layer gradient: build "
+                             f"{args.eval[0]} with --second_layer")
+        second = SecondLayerEvidence(target, list(threat.pipeline.names), int(meta["seq_len"]))
     with torch.no_grad():
         logits = torch.cat([pointer(data.ids[i : i + 256], data.scores[i : i + 256], data.coefficients[i : i + 256])
                             for i in range(0, len(data), 256)])
     rows = []
-    for rule in args.decode:
-        for weight in (args.lm_weight if rule == "lm" else [0.0]):
-            start = time.perf_counter()
-            preds = decode_candidates(data.ids, logits, rule, target.model, weight, args.beam)
-            scores = [rouge_f(p, r) for p, r in zip(threat.decode(preds), threat.decode(data.truth))]
-            row = {"decode": rule, "lm_weight": weight if rule == "lm" else None, "beam": args.beam if rule == "lm" else None,
-                   "blocks": len(data), "split": meta["split"], "token_acc": float((preds == data.truth).float().mean()),
-                   "exact_sequences": float((preds == data.truth).all(1).float().mean()),
-                   **{k: sum(s[k] for s in scores) / len(scores) for k in scores[0]},
-                   "seconds": round(time.perf_counter() - start, 1)}
-            print(json.dumps(row), flush=True)
-            rows.append(row)
+    settings = [(rule, weight, check) for rule in args.decode
+                for weight in (args.lm_weight if rule in ("lm", "second_layer") else [None])
+                for check in (args.second_weight if rule == "second_layer" else [None])]
+    for rule, weight, check in settings:
+        start = time.perf_counter()
+        preds = decode_candidates(data.ids, logits, rule, target.model, weight or 0.0, args.beam, second,
+                                  data.second_spaces, check or 0.0)
+        scores = [rouge_f(p, r) for p, r in zip(threat.decode(preds), threat.decode(data.truth))]
+        row = {"decode": rule, "lm_weight": weight, "second_weight": check,
+               "beam": args.beam if weight is not None else None,
+               "blocks": len(data), "split": meta["split"], "token_acc": float((preds == data.truth).float().mean()),
+               "exact_sequences": float((preds == data.truth).all(1).float().mean()),
+               **{k: sum(s[k] for s in scores) / len(scores) for k in scores[0]},
+               "seconds": round(time.perf_counter() - start, 1)}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
     if args.out:
         write_text_atomically(args.out, json.dumps({"command": "lti candidates " + " ".join(argv), "rows": rows}, indent=2) + "\n")
+
+
+def _check_held_out(data, trained_on: dict, tail: int, name: str) -> None:
+    """Candidates of the pointer's own training split: only blocks it did not train on."""
+    end = trained_on.get("train_blocks_end", trained_on.get("train_blocks"))
+    if data.blocks is not None and end is not None:
+        if int(data.blocks.min()) < int(end):
+            raise ValueError(f"{name} holds blocks {int(data.blocks.min())}.. of the pointer's training split, which "
+                             f"trained on its blocks before {end}: evaluate later blocks only")
+        return
+    holdout = int(trained_on.get("holdout", 0))
+    if not 0 < tail <= holdout:
+        # the training split's last `holdout` blocks were kept out of training; the rest were trained on
+        raise ValueError(f"{name} is the pointer's training split: evaluate its held-out blocks only "
+                         f"(--tail at most its --holdout, {holdout})")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -95,7 +119,10 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--split", default="auxiliary", help="the DataModule split whose blocks become updates")
     b.add_argument("--out", required=True, help="the .safetensors file to write")
     b.add_argument("--count", type=int, default=32, help="candidates per update (K)")
-    b.add_argument("--limit", type=int, default=None, help="only the split's first LIMIT blocks")
+    b.add_argument("--limit", type=int, default=None, help="only LIMIT blocks (the split's first, after --skip)")
+    b.add_argument("--skip", type=int, default=0, help="start at the split's block SKIP (e.g. a fit's held-out tail)")
+    b.add_argument("--second_layer", action="store_true",
+                   help="also store each update's second-layer gradient (for the second_layer decoding rule)")
     b.add_argument("--batch", type=int, default=64, help="updates simulated at once")
     b.add_argument("--device", default="cpu")
     b.add_argument("--shards", type=int, default=1, help="split the output into this many files")
@@ -129,6 +156,8 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--limit", type=int, default=0, help="then only the first LIMIT blocks")
     e.add_argument("--decode", nargs="+", default=["argmax"], choices=DECODERS)
     e.add_argument("--lm_weight", nargs="+", type=float, default=[0.5], help="weights of the global model's log-probability (lm)")
+    e.add_argument("--second_weight", nargs="+", type=float, default=[1.0],
+                   help="weights of the second-layer span test's score (second_layer)")
     e.add_argument("--beam", type=int, default=8)
     e.add_argument("--out", default=None, help="a JSON file of the rows")
     return p

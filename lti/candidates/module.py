@@ -162,7 +162,9 @@ def _fit(args, command: str, out: Path) -> dict:
               **metrics}
     if data.holdout_set is not None:
         result["holdout_blocks"] = len(data.holdout_set)
+    trained = data.train_set.blocks
     save_pointer(module.pointer, out / "pointer.safetensors", meta, len(data.train_set),
-                 0 if data.holdout_set is None else len(data.holdout_set))
+                 0 if data.holdout_set is None else len(data.holdout_set),
+                 None if trained is None else int(trained.max()) + 1)
     write_text_atomically(out / "result.json", json.dumps(result, indent=2) + "\n")
     return result

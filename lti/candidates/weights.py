@@ -15,12 +15,14 @@ from lti.candidates.pointer import CandidatePointer
 
 
 def save_pointer(pointer: CandidatePointer, path: str | Path, evidence_metadata: dict, train_blocks: int,
-                 holdout: int) -> None:
+                 holdout: int, train_blocks_end: int | None = None) -> None:
     """The trained weights (the fixed embedding is not among them) with the sizes, the threat model and
-    the training split's blocks used (the first `train_blocks`; the `holdout` after them were not) in
-    the metadata, written whole and renamed into place."""
+    the training split's blocks used (the first `train_blocks`; the `holdout` after them were not;
+    where the files record block indices, every block trained on is before `train_blocks_end`) in the
+    metadata, written whole and renamed into place."""
     metadata = {"sizes": json.dumps(pointer.sizes), "coefficient_width": str(pointer.coefficient_width),
                 "positions": str(pointer.positions), "train_blocks": str(train_blocks), "holdout": str(holdout),
+                **({"train_blocks_end": str(train_blocks_end)} if train_blocks_end is not None else {}),
                 **{f"evidence.{k}": v for k, v in evidence_metadata.items() if k != "blocks"}}
     state = {k: v.detach().cpu().contiguous() for k, v in pointer.state_dict().items()}
     with atomic_writer(path) as f:
@@ -46,5 +48,5 @@ def load_pointer(path: str | Path, embedding: Tensor) -> tuple[CandidatePointer,
     except RuntimeError as error:
         raise ValueError(f"{path} does not fit a pointer of its own sizes: {str(error).splitlines()[0]}") from None
     evidence = {k[len("evidence."):]: v for k, v in metadata.items() if k.startswith("evidence.")}
-    evidence.update({k: metadata[k] for k in ("train_blocks", "holdout") if k in metadata})
+    evidence.update({k: metadata[k] for k in ("train_blocks", "holdout", "train_blocks_end") if k in metadata})
     return pointer.to(embedding.device).eval(), evidence

@@ -23,6 +23,7 @@ from lti.audit.federation import (  # noqa: E402
     SerialGrid,
     adapter_state,
     client_pipeline,
+    load_adapter_state,
     make_client_app,
 )
 from lti.audit.options import AttackOptions, AuditOptions, FederationOptions, FlowerDPOptions  # noqa: E402
@@ -45,10 +46,10 @@ def random_data(client: int, round_: int) -> dict[str, torch.Tensor]:
     return {"input_ids": torch.randint(0, 97, (1, 2, 6), generator=generator)}
 
 
-def federate(pipeline, rounds=2, clients=3, lr=0.05, mods=None, wrap=None):
+def federate(pipeline, rounds=2, clients=3, lr=0.05, mods=None, wrap=None, local_epochs=1):
     """Run Flower rounds over the serial grid; returns (what the clients' code sent, what the strategy saw)."""
     sent, seen, globals_ = {}, {}, {}
-    app = make_client_app(client_pipeline(pipeline, 2), random_data, lr, mods,
+    app = make_client_app(client_pipeline(pipeline, 2, local_epochs, lr=lr), random_data, lr, mods,
                           sent=lambda c, r, arrays: sent.__setitem__((c, r), arrays))
 
     def observe(round_, client, global_arrays, reply):
@@ -92,6 +93,32 @@ def test_the_server_reads_the_clients_update_off_the_returned_weights():
         bound = (weights.abs() + 3 * lr * truth.double().abs()) * 2 ** -24 / lr * 1.01 + 1e-12
         assert ((recovered.double() - truth.double()).abs() <= bound).all()
         assert truth.abs().max() > 0
+
+
+def test_fedavg_clients_return_their_local_steps_and_the_server_reads_their_mean_gradient():
+    """Two local epochs over a client's batch of two sequences: the returned adapters equal two FedSGD steps
+    applied by hand (the slow reference), and (w - returned) / (2 lr) is the mean of the two gradients."""
+    pipeline = tiny_pipeline()
+    lr = 0.05
+    _, seen, globals_ = federate(pipeline, rounds=1, clients=2, lr=lr, local_epochs=2)
+    one_step = client_pipeline(pipeline, 2)  # FedSGD: the gradient of the batch at the weights loaded
+    names = list(pipeline.names)
+    for (client, round_), reply in seen.items():
+        sent = globals_[round_].to_torch_state_dict()
+        weights, gradients = {n: sent[n].double() for n in names}, []
+        for _ in range(2):
+            load_adapter_state(one_step, {n: w.float() for n, w in weights.items()})
+            update = one_step(random_data(client, round_), keep_update=True).update
+            gradient = {n: g[0].double() for n, g in one_step.split(update).items()}
+            gradients.append(torch.cat([gradient[n].flatten() for n in names]))
+            weights = {n: weights[n] - lr * gradient[n] for n in names}
+        returned = reply.to_torch_state_dict()
+        for n in names:
+            assert torch.allclose(returned[n].double(), weights[n], rtol=0, atol=1e-6), n
+        mean = observed_update(sent, returned, lr, names, steps=2).double()
+        expected = (gradients[0] + gradients[1]) / 2
+        assert (mean - expected).abs().max() <= 1e-4 * expected.abs().max()
+        assert (gradients[0] - gradients[1]).abs().max() > 1e-3 * expected.abs().max()  # the second step moved
 
 
 def test_flower_fixed_clipping_clips_every_update_the_server_sees():
@@ -195,6 +222,18 @@ def test_an_interrupted_audit_resumes_with_the_same_rounds(tiny_audit, tmp_path)
     assert [r["attacks"]["dager"]["token_acc"] for r in resumed] == [r["attacks"]["dager"]["token_acc"] for r in records]
 
 
+def test_a_fedavg_audit_attacks_the_mean_gradient_of_the_clients_local_steps(tmp_path):
+    options = AuditOptions(threat_model=TINY, out_dir=str(tmp_path / "a"),
+                           federation=FederationOptions(clients=2, rounds=1, lr=0.5, local_epochs=3),
+                           attacks=AttackOptions(probe_sequences=0), utility_sequences=4)
+    audit = Audit(options, say=lambda *_: None)
+    records = audit.run()
+    assert records[0]["attacks"]["dager"]["sequences"] == 2
+    assert audit.attacks.steps == 3 and audit.attacks.trajectory == (0.0, 0.5, 1.0)
+    report = (tmp_path / "a" / "report.md").read_text()
+    assert "FedAvg: 3 local SGD steps at lr = 0.5" in report and "The clients run FedAvg" in report
+
+
 def test_a_folder_of_another_audit_is_refused(tiny_audit):
     options, out, _ = tiny_audit
     other = AuditOptions(**{**vars(options), "federation": FederationOptions(clients=3, rounds=2)})
@@ -205,6 +244,7 @@ def test_a_folder_of_another_audit_is_refused(tiny_audit):
 @pytest.mark.parametrize("argv, message", [
     (["--attacks.rounds", "[5]"], "attacks.rounds has round 5, but the simulation runs rounds 1..3"),
     (["--federation.clients", "0"], "federation.clients=0 must be >= 1"),
+    (["--federation.minibatch_size", "2"], "federation.minibatch_size=2 must be in [1, batch_size = 1]"),
     (["--flower_dp.mode", "local_dp", "--flower_dp.epsilon", "0"], "flower_dp.epsilon=0.0 must be"),
 ])
 def test_bad_audit_options_are_one_line(argv, message, tmp_path, capsys):
@@ -303,7 +343,7 @@ def tiny_pointer(tmp_path_factory):
     return str(folder / "fit" / "pointer.safetensors")
 
 
-@pytest.mark.parametrize("decode", ["argmax", "lm"])
+@pytest.mark.parametrize("decode", ["argmax", "lm", "second_layer"])
 def test_the_candidate_pointer_attacks_every_round_and_is_probed_for_staleness(tiny_pointer, tmp_path, decode):
     options = AuditOptions(threat_model=TINY, out_dir=str(tmp_path / "a"), federation=FederationOptions(clients=2, rounds=2),
                            attacks=AttackOptions(dager=False, pointer=tiny_pointer, pointer_decode=decode, probe_sequences=6,

@@ -3,6 +3,7 @@ float64 per-update reference, the coefficients against a per-update least-square
 files, the pointer's symmetry, and a fit on the tiny LoRA Llama that learns the order."""
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -10,8 +11,9 @@ import pytest
 import torch
 
 from datamodules.targets import Transformer3
-from exact.dager.span import token_distances
-from exact.span_evidence import CandidateEvidence, SpanEvidence
+from exact.dager.span import span_basis, token_distances
+from exact.layers import capture_input
+from exact.span_evidence import DISTANCE_FLOOR, CandidateEvidence, SecondLayerEvidence, SpanEvidence
 from lti.candidates.evidence_file import build, load
 from lti.candidates.pointer import CandidatePointer, pointer_targets, predict_tokens
 from lti.cli import main
@@ -55,6 +57,70 @@ def test_coefficients_match_a_per_update_least_squares_solve_and_rebuild_the_spa
         assert np.allclose(found.coefficients[u].numpy(), expected, atol=1e-5)
         rebuilt = x.T @ solution  # the true tokens are among the candidates: the rows are rebuilt exactly
         assert np.abs(rebuilt - spaces[u].numpy()).max() <= 1e-6 * np.abs(spaces[u].numpy()).max()
+
+
+def _second_layer_reference(pipeline, update, u: int, prefix: torch.Tensor) -> float:
+    """The slow reference: the whole prefix run through the model, its last second-layer input's distance
+    to the update's second-layer span (DAGER's float64 SVD basis, rank capped at L - 1), as a score."""
+    second = SecondLayerEvidence(pipeline.target, list(pipeline.names), 8)
+    basis = span_basis(second.input_spaces({k: v[u : u + 1] for k, v in update.items()})[0], 1e-6, 7)
+    with torch.no_grad():
+        hidden = capture_input(second.layers.second_input_module, lambda: pipeline.target.model(input_ids=prefix[None]))
+    return float(-torch.log(basis.distance(hidden[0, -1:].double()) + DISTANCE_FLOOR))
+
+
+def test_the_second_layer_score_of_a_cached_prefix_is_the_whole_prefix_reference(tiny_updates):
+    pipeline, ids, update, _ = tiny_updates
+    second = SecondLayerEvidence(pipeline.target, list(pipeline.names), ids.shape[1])
+    ranges = second.ranges(second.input_spaces(update))  # (6, d, r)
+    torch.manual_seed(0)
+    wrong = torch.randint(0, 500, ids.shape)
+    for rows in (ids, wrong):
+        cache, scores = None, []
+        for p in range(ids.shape[1]):
+            score, cache = second.extend(rows[:, p], p, ranges, cache)
+            scores.append(score[:, 0])
+        scores = torch.stack(scores, 1)  # (6, L)
+        for u in (0, 3):
+            for p in (0, 2, 6):
+                # compared as distances: float32 rounding of the two forwards moves in-span ones by ~1e-7
+                fast, slow = math.exp(-float(scores[u, p])), math.exp(-_second_layer_reference(pipeline, update, u, rows[u, : p + 1]))
+                assert abs(fast - slow) <= 1e-6 + 1e-3 * slow
+        if rows is ids:
+            truth = scores
+    # the client's own prefixes lie in the span (up to float32 rounding); random ones do not
+    assert float(truth[:, :-1].min()) > float(scores[:, :-1].max()) + 2.0
+
+
+def test_the_second_layer_beam_search_is_the_brute_force_optimum_and_without_its_weight_the_lm_rule(tiny_updates):
+    import itertools
+
+    from lti.candidates.decoding import decode_candidates, lm_beam_search
+
+    pipeline, ids, update, _ = tiny_updates
+    lm = pipeline.target.model.eval()
+    second = SecondLayerEvidence(pipeline.target, list(pipeline.names), ids.shape[1])
+    spaces = second.input_spaces(update)[:2]
+    torch.manual_seed(1)
+    length, k = 3, 3
+    cand = torch.stack([torch.cat([ids[u, :1], torch.randperm(500)[: k - 1] + 1000]) for u in range(2)])
+    logits = torch.randn(2, length, k + 1)
+    found = lm_beam_search(cand, logits, lm, 0.5, beam=k ** (length - 1), second=second, spaces=spaces, second_weight=0.7)
+    logp = torch.log_softmax(logits, -1)[..., :-1]
+    for u in range(2):
+        def total(columns):
+            tokens = cand[u, list(columns)]
+            with torch.no_grad():
+                lm_logp = torch.log_softmax(lm(input_ids=tokens[None]).logits[0].float(), -1)
+            return float(sum(logp[u, p, c] for p, c in enumerate(columns))
+                         + 0.5 * sum(lm_logp[p - 1, tokens[p]] for p in range(1, length))
+                         + 0.7 * sum(_second_layer_reference(pipeline, update, u, tokens[: p + 1]) for p in range(length)))
+        best = max(itertools.product(range(k), repeat=length), key=total)
+        assert found[u].tolist() == cand[u, list(best)].tolist()
+    without = decode_candidates(cand, logits, "second_layer", lm, 0.5, 4, second, spaces, 0.0)
+    assert torch.equal(without, decode_candidates(cand, logits, "lm", lm, 0.5, 4))
+    with pytest.raises(ValueError, match="second-layer test of the update"):
+        decode_candidates(cand, logits, "second_layer", lm, 0.5, 4)
 
 
 def test_a_target_with_position_embeddings_and_a_bad_count_are_refused_in_one_line(tiny_updates):
@@ -199,3 +265,33 @@ def test_evaluate_scores_each_rule_and_refuses_candidates_of_another_threat_mode
     with pytest.raises(SystemExit) as error:
         main(["candidates", "evaluate", "--pointer", pointer, "--eval", str(tmp_path / "other.safetensors")])
     assert error.value.code == 2 and "differ from" in capsys.readouterr().err
+
+
+def test_files_record_their_blocks_and_second_layer_gradients_and_evaluate_reads_only_untrained_blocks(tmp_path, capsys):
+    build(TINY, "auxiliary", tmp_path / "aux.safetensors", count=8, limit=32)
+    build(TINY, "auxiliary", tmp_path / "tail.safetensors", count=8, limit=8, skip=24, second_layer=True)
+    full, tail = load([tmp_path / "aux.safetensors"]), load([tmp_path / "tail.safetensors"])
+    assert full.blocks.tolist() == list(range(32)) and tail.blocks.tolist() == list(range(24, 32))
+    assert torch.equal(tail.truth, full.truth[24:]) and torch.equal(tail.ids, full.ids[24:])  # the same blocks' candidates
+    assert full.second_spaces is None and tail.second_spaces.shape[:1] == (8,)
+    assert tail.tail(3).blocks.tolist() == [29, 30, 31] and tail.tail(3).second_spaces.shape[0] == 3
+    build(TINY, "evaluation", tmp_path / "eval.safetensors", count=8, limit=8)
+    main(["candidates", "fit", "--train", str(tmp_path / "aux.safetensors"), "--eval", str(tmp_path / "eval.safetensors"),
+          "--out_dir", str(tmp_path / "fit"), "--max_steps", "2", "--val_every", "2", "--hidden", "16", "--layers", "1",
+          "--heads", "2", "--batch_size", "8", "--holdout", "8"])  # trains on blocks 0..23
+    pointer = str(tmp_path / "fit" / "pointer.safetensors")
+    main(["candidates", "evaluate", "--pointer", pointer, "--eval", str(tmp_path / "tail.safetensors"), "--decode", "lm",
+          "second_layer", "--lm_weight", "0.5", "--second_weight", "0", "2", "--beam", "2", "--out", str(tmp_path / "ev.json")])
+    rows = json.loads((tmp_path / "ev.json").read_text())["rows"]
+    assert [(r["decode"], r["second_weight"]) for r in rows] == [("lm", None), ("second_layer", 0.0), ("second_layer", 2.0)]
+    assert rows[1]["token_acc"] == rows[0]["token_acc"]  # without its weight the test changes nothing
+    build(TINY, "auxiliary", tmp_path / "early.safetensors", count=8, limit=8, skip=20, second_layer=True)
+    with pytest.raises(SystemExit) as error:  # blocks 20..23 were trained on
+        main(["candidates", "evaluate", "--pointer", pointer, "--eval", str(tmp_path / "early.safetensors")])
+    assert error.value.code == 2 and "trained on its blocks before 24" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as error:
+        main(["candidates", "evaluate", "--pointer", pointer, "--eval", str(tmp_path / "aux.safetensors"), "--tail", "8",
+              "--decode", "second_layer"])
+    assert error.value.code == 2 and "with --second_layer" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--skip 1000000: the auxiliary split has"):
+        build(TINY, "auxiliary", tmp_path / "none.safetensors", skip=1_000_000, limit=4)

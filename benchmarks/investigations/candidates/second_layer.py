@@ -1,0 +1,96 @@
+"""What each part of the `second_layer` decoding contributes, and DAGER on the same updates (design page §10).
+
+On candidate evidence built with `lti candidates build --second_layer`, the trained pointer's logits are
+decoded four ways, each a beam search over the same candidates (width 8): the pointer with the global
+model's prior (`lm`); the same plus the second-layer span test (`second_layer`); the test and the prior
+without the pointer (its logits set to zero: what a server gets without learning); the pointer and the
+test without the prior. With `--dager`, DAGER runs on each block's update, simulated again under the
+file's threat model (deterministic at B = 1 without dropout: the update the candidates came from):
+
+    python -m benchmarks.investigations.candidates.second_layer --pointer POINTER.safetensors \\
+        --eval runs/candidates/eval512.safetensors --lm-weight 0.25 --second-weight 1.0 --dager --out rows.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from datamodules.metrics import ScoreTotals, score_batch
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pointer", required=True)
+    parser.add_argument("--eval", nargs="+", required=True, help="candidate files built with --second_layer")
+    parser.add_argument("--lm-weight", type=float, default=0.25)
+    parser.add_argument("--second-weight", type=float, default=1.0)
+    parser.add_argument("--limit", type=int, default=0)
+    parser.add_argument("--dager", action="store_true", help="also DAGER on each block's simulated update")
+    parser.add_argument("--out", default=None, help="a JSON file of the rows")
+    args = parser.parse_args(argv)
+
+    from exact.dager import Dager
+    from exact.span_evidence import SecondLayerEvidence
+    from lti.atomic_files import write_text_atomically
+    from lti.candidates.decoding import decode_candidates
+    from lti.candidates.evidence_file import load
+    from lti.candidates.weights import load_pointer
+    from lti.trainer_cli import instantiate
+
+    data = load(args.eval)
+    if args.limit:
+        data = data.head(args.limit)
+    if data.second_spaces is None:
+        raise SystemExit(f"{args.eval[0]} holds no second-layer gradients: build it with --second_layer")
+    meta = data.metadata
+    _, threat = instantiate(meta["config"], json.loads(meta["overrides"]))
+    pipeline = threat.pipeline
+    target = pipeline.target
+    pointer, _ = load_pointer(args.pointer, target.embedding_matrix)
+    second = SecondLayerEvidence(target, list(pipeline.names), int(meta["seq_len"]))
+    with torch.no_grad():
+        logits = torch.cat([pointer(data.ids[i : i + 256], data.scores[i : i + 256], data.coefficients[i : i + 256])
+                            for i in range(0, len(data), 256)])
+    lm, w, s = target.model, args.lm_weight, args.second_weight
+    decode = threat.tokenizer.decode
+    ways = {
+        "pointer + prior (lm)": (logits, "lm", w, 0.0),
+        "pointer + prior + second-layer test (second_layer)": (logits, "second_layer", w, s),
+        "prior + second-layer test, no pointer": (torch.zeros_like(logits), "second_layer", w, s),
+        "pointer + second-layer test, no prior": (logits, "second_layer", 0.0, s),
+    }
+    rows = []
+
+    def report(name: str, totals: ScoreTotals, seconds: float) -> None:
+        row = {"decoding": name, "blocks": len(data), **{k: v for k, v in totals.means().items() if k != "samples"},
+               "seconds": round(seconds, 1)}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+
+    for name, (pointer_logits, rule, lm_weight, second_weight) in ways.items():
+        start = time.perf_counter()
+        preds = decode_candidates(data.ids, pointer_logits, rule, lm, lm_weight, 8, second, data.second_spaces, second_weight)
+        totals = ScoreTotals()
+        for pred, truth in zip(preds.tolist(), data.truth):
+            totals.add(score_batch([pred], truth[None], None, decode))
+        report(name, totals, time.perf_counter() - start)
+    if args.dager:
+        dager, totals, start = Dager(), ScoreTotals(), time.perf_counter()
+        for truth in data.truth:
+            update = pipeline.split(pipeline({"input_ids": truth[None, None]}, keep_update=True).update)
+            result = dager.attack(target, {k: v[0] for k, v in update.items()}, batch_size=1, max_length=truth.shape[0])
+            totals.add(score_batch(result.sequences, truth[None], None, decode, result.exact))
+        report("DAGER", totals, time.perf_counter() - start)
+    if args.out:
+        write_text_atomically(args.out, json.dumps({"command": "python -m benchmarks.investigations.candidates.second_layer "
+                                                    + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
+                                                    "rows": rows}, indent=2) + "\n")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
