@@ -368,3 +368,14 @@ def test_the_second_layer_investigation_decodes_four_ways_and_runs_dager_on_the_
     assert checked > rows["pointer + prior (lm)"]["token_acc"] + 0.1
     assert rows["DAGER"]["token_acc"] >= 0.8  # all but the label-only last token of most sequences
     assert json.loads((tmp_path / "rows.json").read_text())["rows"][0]["decoding"] == "pointer + prior (lm)"
+
+
+def test_the_batch_ceiling_investigation_finds_every_visible_token_of_one_sequence_and_fewer_of_a_batch():
+    """benchmarks/investigations/candidates/batch_ceiling.py on the tiny LoRA Llama (d = 64, 16 span directions)."""
+    module = load_benchmark("investigations.candidates.batch_ceiling")
+    rows = module.main(["--threat-model", str(REPO / "configs" / "audit" / "tiny_llama_lora.yaml"), "--batch-sizes", "1", "4",
+                        "--updates", "3", "--counts", "12"])
+    one, four = rows
+    assert one["batch_size"] == 1 and one["visible_tokens_in_top_12"] == 1.0  # 7 visible tokens, all in the span
+    assert one["second_layer_score_true"] > one["second_layer_score_random"] + 2
+    assert four["visible_tokens_in_top_12"] < 1.0  # 28 visible tokens, 16 directions

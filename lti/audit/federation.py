@@ -33,6 +33,7 @@ from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
 from datamodules.federated import FedAvgClient, FedSGDClient, LoRAClient, UpdatePipeline
+from datamodules.federated.defenses import NoDefense
 from datamodules.federated.hashing import FeatureHasher, Hashing
 
 #: The keys of the records a train message and its reply carry (Flower's FedAvg defaults).
@@ -53,14 +54,22 @@ def client_pipeline(server_pipeline: UpdatePipeline, batch_size: int, local_epoc
         raise ValueError(f"the audit federates LoRA fine-tuning; the threat model's client is {type(client).__name__} "
                          "(use datamodules.federated.LoRAClient)")
     if not isinstance(client.local, FedSGDClient):
-        raise ValueError(f"the audit's clients take one FedSGD step per round; the threat model's LoRA local "
-                         f"computation is {type(client.local).__name__} (use FedSGDClient)")
+        raise ValueError(f"the audit reads its clients' protocol from the threat model's one FedSGD step and the "
+                         f"federation options; the threat model's LoRA local computation is {type(client.local).__name__} "
+                         "(use FedSGDClient, and --federation.local_epochs / --federation.minibatch_size for FedAvg)")
     pipeline = copy.deepcopy(server_pipeline)
     minibatch = minibatch_size or batch_size
     if local_epochs == 1 and minibatch == batch_size:
         local = FedSGDClient(client.local.mode, batch_size, client.local.implementation)
     else:
-        local = FedAvgClient(client.local.mode, batch_size, local_epochs, minibatch, lr)
+        if not isinstance(server_pipeline.defense, NoDefense):
+            # A workbench defense of a FedAvg client acts on its weight delta (noise in weight units) or at
+            # every local step (DP-SGD): the threat model's settings would mean something else than for
+            # the one-step updates the server trained on.
+            raise ValueError(f"FedAvg clients in the audit run without a workbench defense (the threat model has "
+                             f"{type(server_pipeline.defense).__name__}); use Flower's DP mods (--flower_dp.mode)")
+        local = FedAvgClient(client.local.mode, batch_size, local_epochs, minibatch, lr,
+                             implementation=client.local.implementation)
     lora = copy.copy(pipeline.client)
     lora.local = local
     pipeline.client = lora  # the deep copy's own: its model already carries the adapters

@@ -131,6 +131,10 @@ class AttackOptions:
                 raise ValueError(f"attacks.rounds has round {r}, but the simulation runs rounds 1..{rounds}")
         if self.pointer_decode not in DECODERS:
             raise ValueError(f"attacks.pointer_decode {self.pointer_decode!r} is not known; use {', '.join(DECODERS)}")
+        for name in ("pointer_lm_weight", "pointer_second_weight"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"attacks.{name}={value} must be finite and >= 0")
         if self.probe_sequences < 0:
             raise ValueError(f"attacks.probe_sequences={self.probe_sequences} must be >= 0")
 

@@ -109,8 +109,9 @@ class Audit:
         marker = self.out / "audit.json"
         if marker.exists():
             previous = json.loads(marker.read_text())
-            if previous != identity:
-                changed = sorted(k for k in identity if previous.get(k) != identity[k])
+            previous, current = _same_run(previous), _same_run(identity)
+            if previous != current:
+                changed = sorted(k for k in current if previous.get(k) != current[k])
                 raise ValueError(f"{self.out} holds an audit with other {', '.join(changed)}; choose another out_dir")
         else:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -342,6 +343,23 @@ class Audit:
                 record["probe"] = {"learned": record["probe"]}
             out.append(record)
         return out
+
+
+def _same_run(identity: dict) -> dict:
+    """An audit's identity as compared for a resume: option groups completed with the defaults of options
+    added since the folder was written (an older audit.json lacks them), a minibatch of None as all B."""
+    from dataclasses import asdict
+
+    from lti.audit.options import FederationOptions, FlowerDPOptions
+
+    out = dict(identity)
+    for key, defaults in (("federation", FederationOptions()), ("flower_dp", FlowerDPOptions())):
+        if isinstance(out.get(key), dict):
+            out[key] = {**asdict(defaults), **out[key]}
+    federation = out.get("federation")
+    if isinstance(federation, dict) and federation.get("minibatch_size") is None:
+        federation["minibatch_size"] = federation.get("batch_size")
+    return out
 
 
 def _plain(value):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 
@@ -44,12 +45,15 @@ def _evaluate(args: argparse.Namespace, argv: list[str]) -> None:
     from datamodules.metrics import rouge_f
     from exact.span_evidence import SecondLayerEvidence
     from lti.candidates.decoding import decode_candidates
-    from lti.candidates.evidence_file import SHARED, load
+    from lti.candidates.evidence_file import SHARED, check_held_out, load
     from lti.candidates.weights import load_pointer
     from lti.trainer_cli import instantiate
 
     if args.tail < 0 or args.limit < 0:
         raise ValueError("--tail and --limit must be >= 0")
+    bad = [w for w in (*args.lm_weight, *args.second_weight) if not (math.isfinite(w) and w >= 0)]
+    if bad:
+        raise ValueError(f"--lm_weight and --second_weight must be finite and >= 0, not {bad[0]}")
     data = load(args.eval)
     if args.tail:
         data = data.tail(min(args.tail, len(data)))
@@ -65,12 +69,12 @@ def _evaluate(args: argparse.Namespace, argv: list[str]) -> None:
     if differ:
         raise ValueError(f"the pointer was trained on candidates that differ from {args.eval[0]} in {', '.join(differ)}")
     if trained_on.get("split") == meta["split"]:
-        _check_held_out(data, trained_on, args.tail, args.eval[0])
+        check_held_out(data, trained_on, args.tail, args.eval[0])
     second = None
     if "second_layer" in args.decode:
         if data.second_spaces is None:
-            raise ValueError(f"decoding rule second_layer reads each update's second-layer gradient: build "
-                             f"{args.eval[0]} with --second_layer")
+            raise ValueError("decoding rule second_layer reads each update's second-layer gradient: build every "
+                             "--eval file with --second_layer")
         second = SecondLayerEvidence(target, list(threat.pipeline.names), int(meta["seq_len"]))
     with torch.no_grad():
         logits = torch.cat([pointer(data.ids[i : i + 256], data.scores[i : i + 256], data.coefficients[i : i + 256])
@@ -94,21 +98,6 @@ def _evaluate(args: argparse.Namespace, argv: list[str]) -> None:
         rows.append(row)
     if args.out:
         write_text_atomically(args.out, json.dumps({"command": "lti candidates " + " ".join(argv), "rows": rows}, indent=2) + "\n")
-
-
-def _check_held_out(data, trained_on: dict, tail: int, name: str) -> None:
-    """Candidates of the pointer's own training split: only blocks it did not train on."""
-    end = trained_on.get("train_blocks_end", trained_on.get("train_blocks"))
-    if data.blocks is not None and end is not None:
-        if int(data.blocks.min()) < int(end):
-            raise ValueError(f"{name} holds blocks {int(data.blocks.min())}.. of the pointer's training split, which "
-                             f"trained on its blocks before {end}: evaluate later blocks only")
-        return
-    holdout = int(trained_on.get("holdout", 0))
-    if not 0 < tail <= holdout:
-        # the training split's last `holdout` blocks were kept out of training; the rest were trained on
-        raise ValueError(f"{name} is the pointer's training split: evaluate its held-out blocks only "
-                         f"(--tail at most its --holdout, {holdout})")
 
 
 def parser() -> argparse.ArgumentParser:

@@ -44,7 +44,7 @@ def _next_token_logp(lm: nn.Module, tokens: Tensor, cache) -> tuple[Tensor, obje
 @torch.no_grad()
 def lm_beam_search(ids: Tensor, logits: Tensor, lm: nn.Module, weight: float, beam: int = 8, chunk: int = 64,
                    second: SecondLayerEvidence | None = None, spaces: Tensor | None = None,
-                   second_weight: float = 0.0) -> Tensor:
+                   second_weight: float = 1.0) -> Tensor:
     """(U, L) tokens maximising sum_p log p_pointer(c_p | p) + weight * log p_lm(c_p | c_<p)
     [+ second_weight * s(c_<=p) for the positions the second-layer test reads] over candidate
     sequences, by a beam search of width `beam` (exact when beam >= K^(L-1)). `lm` is a Hugging Face
@@ -74,7 +74,7 @@ def _beam_search(ids: Tensor, logp: Tensor, lm: nn.Module, weight: float, beam: 
         first = lp[:, 0]
         if visible > 0:
             span_score, kv = second.extend(cand.flatten(), 0, ranges, None)  # (n, K)
-            first = first + second_weight * span_score
+            first = first + second_weight * span_score.to(first.device)
         top = first.topk(width, dim=1)
         scores, seqs = top.values, cand.gather(1, top.indices)[..., None]  # (n, W), (n, W, 1)
         if visible > 0:
@@ -88,14 +88,16 @@ def _beam_search(ids: Tensor, logp: Tensor, lm: nn.Module, weight: float, beam: 
                 tokens = cand[:, None, :].expand(-1, width, -1).flatten()
                 span_score, kv = second.extend(tokens, p, ranges, parents)  # (n, W K)
                 total = total + second_weight * span_score.view(count, width, k).to(total.device)
-            top = total.view(count, -1).topk(width, dim=1)
+            grown = min(beam, width * k)  # the beam widens until it holds `beam` prefixes
+            top = total.view(count, -1).topk(grown, dim=1)
             parent, column = top.indices // k, top.indices % k
             rows = (torch.arange(count, device=ids.device)[:, None] * width + parent).flatten()
-            token = cand.gather(1, column)  # (n, W)
-            seqs = torch.cat([seqs.view(count * width, -1)[rows].view(count, width, -1), token[..., None]], dim=2)
+            token = cand.gather(1, column)  # (n, W')
+            seqs = torch.cat([seqs.view(count * width, -1)[rows].view(count, grown, -1), token[..., None]], dim=2)
             scores = top.values
             if p < visible:
                 kv = _rows(kv, (torch.arange(count)[:, None] * width * k + top.indices.cpu()).flatten())
+            width = grown
             if p < length - 1:
                 cache.reorder_cache(rows)
                 lm_logp, cache = _next_token_logp(lm, token.reshape(-1, 1), cache)

@@ -144,6 +144,9 @@ def load(paths: Sequence[str | Path]) -> EvidenceSet:
             raise ValueError(f"{path} is not a readable safetensors file: {str(error).splitlines()[0]}") from None
         if tensors is None:
             raise ValueError(f"{path} is not a candidate evidence file (format {metadata.get('format')!r})")
+        missing = [k for k in ("ids", "scores", "coefficients", "truth") if k not in tensors]
+        if missing:
+            raise ValueError(f"{path} lacks the tensor(s) {', '.join(missing)} of a candidate evidence file")
         first = first or (path, metadata)
         differ = [k for k in (*SHARED, "split") if metadata.get(k) != first[1].get(k)]
         if differ:
@@ -155,3 +158,19 @@ def load(paths: Sequence[str | Path]) -> EvidenceSet:
     cat = {k: torch.cat([p[k] for p in parts]) for k in parts[0] if all(k in p for p in parts)}
     return EvidenceSet(cat["ids"].long(), cat["scores"].float(), cat["coefficients"], cat["truth"].long(),
                        {k: v for k, v in first[1].items() if k != "first_block"}, cat.get("blocks"), cat.get("second_spaces"))
+
+
+def check_held_out(data: EvidenceSet, trained_on: dict, tail: int, name: str) -> None:
+    """Refuse candidates of the pointer's own training split that it trained on (`trained_on`: the pointer's
+    metadata, `load_pointer`); `tail`: the rows taken from the end of the files (a fit's --holdout)."""
+    end = trained_on.get("train_blocks_end", trained_on.get("train_blocks"))
+    if data.blocks is not None and end is not None:
+        if int(data.blocks.min()) < int(end):
+            raise ValueError(f"{name} holds blocks {int(data.blocks.min())}.. of the pointer's training split, which "
+                             f"trained on its blocks before {end}: evaluate later blocks only")
+        return
+    holdout = int(trained_on.get("holdout", 0))
+    if not 0 < tail <= holdout:
+        # the training split's last `holdout` blocks were kept out of training; the rest were trained on
+        raise ValueError(f"{name} is the pointer's training split: evaluate its held-out blocks only "
+                         f"(--tail at most its --holdout, {holdout})")

@@ -32,13 +32,13 @@ from lti.audit.run import Audit, client_batch_indices, client_ranges, epsilon_af
 TINY = str(REPO / "configs" / "audit" / "tiny_llama_lora.yaml")
 
 
-def tiny_pipeline(rank: int = 4) -> UpdatePipeline:
+def tiny_pipeline(rank: int = 4, defense=None) -> UpdatePipeline:
     target = HFCausalLM(architecture="llama", config=dict(
         num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=97, max_position_embeddings=32))
     client = LoRAClient(rank=rank, target_modules=["q_proj", "v_proj"], seed=0, init_b_std=0.02,
                         local=FedSGDClient("train", 1))
-    return UpdatePipeline(target, client=client)
+    return UpdatePipeline(target, client=client, defense=defense)
 
 
 def random_data(client: int, round_: int) -> dict[str, torch.Tensor]:
@@ -119,6 +119,12 @@ def test_fedavg_clients_return_their_local_steps_and_the_server_reads_their_mean
         expected = (gradients[0] + gradients[1]) / 2
         assert (mean - expected).abs().max() <= 1e-4 * expected.abs().max()
         assert (gradients[0] - gradients[1]).abs().max() > 1e-3 * expected.abs().max()  # the second step moved
+    from datamodules.federated import GaussianNoise
+
+    noisy = tiny_pipeline(defense=GaussianNoise(0.01))
+    client_pipeline(noisy, 2)  # one FedSGD step: the threat model's defense as it was trained under
+    with pytest.raises(ValueError, match="without a workbench defense"):
+        client_pipeline(noisy, 2, local_epochs=2)
 
 
 def test_flower_fixed_clipping_clips_every_update_the_server_sees():
@@ -234,6 +240,24 @@ def test_a_fedavg_audit_attacks_the_mean_gradient_of_the_clients_local_steps(tmp
     assert "FedAvg: 3 local SGD steps at lr = 0.5" in report and "The clients run FedAvg" in report
 
 
+def test_an_audit_folder_written_before_the_fedavg_options_still_resumes(tiny_audit, tmp_path):
+    import shutil
+
+    options, out, records = tiny_audit
+    copy = tmp_path / "audit"
+    shutil.copytree(out, copy)
+    identity = json.loads((copy / "audit.json").read_text())
+    for key in ("local_epochs", "minibatch_size"):
+        del identity["federation"][key]  # as written before these options existed
+    (copy / "audit.json").write_text(json.dumps(identity))
+    same = FederationOptions(**{**vars(options.federation), "minibatch_size": options.federation.batch_size})
+    resumed = Audit(AuditOptions(**{**vars(options), "federation": same, "out_dir": str(copy)}), say=lambda *_: None).run()
+    assert [r["attacks"]["dager"]["token_acc"] for r in resumed] == [r["attacks"]["dager"]["token_acc"] for r in records]
+    fedavg = FederationOptions(**{**vars(options.federation), "local_epochs": 2})
+    with pytest.raises(ValueError, match="other federation"):
+        Audit(AuditOptions(**{**vars(options), "federation": fedavg, "out_dir": str(copy)})).run()
+
+
 def test_a_folder_of_another_audit_is_refused(tiny_audit):
     options, out, _ = tiny_audit
     other = AuditOptions(**{**vars(options), "federation": FederationOptions(clients=3, rounds=2)})
@@ -245,6 +269,7 @@ def test_a_folder_of_another_audit_is_refused(tiny_audit):
     (["--attacks.rounds", "[5]"], "attacks.rounds has round 5, but the simulation runs rounds 1..3"),
     (["--federation.clients", "0"], "federation.clients=0 must be >= 1"),
     (["--federation.minibatch_size", "2"], "federation.minibatch_size=2 must be in [1, batch_size = 1]"),
+    (["--attacks.pointer_second_weight", "-1"], "attacks.pointer_second_weight=-1.0 must be finite and >= 0"),
     (["--flower_dp.mode", "local_dp", "--flower_dp.epsilon", "0"], "flower_dp.epsilon=0.0 must be"),
 ])
 def test_bad_audit_options_are_one_line(argv, message, tmp_path, capsys):

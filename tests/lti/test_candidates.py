@@ -100,14 +100,14 @@ def test_the_second_layer_beam_search_is_the_brute_force_optimum_and_without_its
     pipeline, ids, update, _ = tiny_updates
     lm = pipeline.target.model.eval()
     second = SecondLayerEvidence(pipeline.target, list(pipeline.names), ids.shape[1])
-    spaces = second.input_spaces(update)[:2]
+    spaces = second.input_spaces(update)[:4]
     torch.manual_seed(1)
     length, k = 3, 3
-    cand = torch.stack([torch.cat([ids[u, :1], torch.randperm(500)[: k - 1] + 1000]) for u in range(2)])
-    logits = torch.randn(2, length, k + 1)
+    cand = torch.stack([torch.cat([ids[u, :1], torch.randperm(500)[: k - 1] + 1000]) for u in range(4)])
+    logits = torch.randn(4, length, k + 1)
     found = lm_beam_search(cand, logits, lm, 0.5, beam=k ** (length - 1), second=second, spaces=spaces, second_weight=0.7)
     logp = torch.log_softmax(logits, -1)[..., :-1]
-    for u in range(2):
+    for u in range(4):
         def total(columns):
             tokens = cand[u, list(columns)]
             with torch.no_grad():
@@ -222,7 +222,7 @@ def test_the_lm_beam_search_finds_the_brute_force_optimum_and_without_the_lm_is_
     _, data = instantiate(TINY)
     lm = data.pipeline.target.model.eval()
     torch.manual_seed(0)
-    count, length, k = 3, 3, 3
+    count, length, k = 8, 3, 3
     ids = torch.stack([torch.randperm(500)[:k] for _ in range(count)])
     logits = torch.randn(count, length, k + 1)
     assert torch.equal(lm_beam_search(ids, logits, lm, 0.0, beam=2), predict_tokens(ids, logits))
@@ -293,5 +293,9 @@ def test_files_record_their_blocks_and_second_layer_gradients_and_evaluate_reads
         main(["candidates", "evaluate", "--pointer", pointer, "--eval", str(tmp_path / "aux.safetensors"), "--tail", "8",
               "--decode", "second_layer"])
     assert error.value.code == 2 and "with --second_layer" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as error:
+        main(["candidates", "evaluate", "--pointer", pointer, "--eval", str(tmp_path / "tail.safetensors"),
+              "--decode", "second_layer", "--second_weight", "-1"])
+    assert error.value.code == 2 and "must be finite and >= 0, not -1.0" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--skip 1000000: the auxiliary split has"):
         build(TINY, "auxiliary", tmp_path / "none.safetensors", skip=1_000_000, limit=4)

@@ -4,7 +4,8 @@ On candidate evidence built with `lti candidates build --second_layer`, the trai
 decoded four ways, each a beam search over the same candidates (width 8): the pointer with the global
 model's prior (`lm`); the same plus the second-layer span test (`second_layer`); the test and the prior
 without the pointer (its logits set to zero: what a server gets without learning); the pointer and the
-test without the prior. With `--dager`, DAGER runs on each block's update, simulated again under the
+test without the prior (`visible_token_acc`: the accuracy over the positions the second-layer test reads, all but
+the last). With `--dager`, DAGER runs on each block's update, simulated again under the
 file's threat model (deterministic at B = 1 without dropout: the update the candidates came from):
 
     python -m benchmarks.investigations.candidates.second_layer --pointer POINTER.safetensors \\
@@ -15,11 +16,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import torch
 
 from datamodules.metrics import ScoreTotals, score_batch
+
+#: the decodings compared: (short name, row name)
+WAYS = {"lm": "pointer + prior (lm)", "second_layer": "pointer + prior + second-layer test (second_layer)",
+        "no_pointer": "prior + second-layer test, no pointer", "no_prior": "pointer + second-layer test, no prior"}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -29,6 +35,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--lm-weight", type=float, default=0.25)
     parser.add_argument("--second-weight", type=float, default=1.0)
     parser.add_argument("--limit", type=int, default=0)
+    parser.add_argument("--decodings", nargs="*", default=list(WAYS), choices=list(WAYS),
+                        help="which of the four decodings to run (default: all)")
     parser.add_argument("--dager", action="store_true", help="also DAGER on each block's simulated update")
     parser.add_argument("--out", default=None, help="a JSON file of the rows")
     args = parser.parse_args(argv)
@@ -37,7 +45,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from exact.span_evidence import SecondLayerEvidence
     from lti.atomic_files import write_text_atomically
     from lti.candidates.decoding import decode_candidates
-    from lti.candidates.evidence_file import load
+    from lti.candidates.evidence_file import SHARED, check_held_out, load
     from lti.candidates.weights import load_pointer
     from lti.trainer_cli import instantiate
 
@@ -50,7 +58,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     _, threat = instantiate(meta["config"], json.loads(meta["overrides"]))
     pipeline = threat.pipeline
     target = pipeline.target
-    pointer, _ = load_pointer(args.pointer, target.embedding_matrix)
+    pointer, trained_on = load_pointer(args.pointer, target.embedding_matrix)
+    differ = [k for k in SHARED if trained_on.get(k) != meta.get(k)]
+    if differ:
+        raise SystemExit(f"the pointer was trained on candidates that differ from {args.eval[0]} in {', '.join(differ)}")
+    if trained_on.get("split") == meta["split"]:
+        try:
+            check_held_out(data, trained_on, 0, args.eval[0])  # only blocks the pointer did not train on
+        except ValueError as error:
+            raise SystemExit(str(error)) from None
     second = SecondLayerEvidence(target, list(pipeline.names), int(meta["seq_len"]))
     with torch.no_grad():
         logits = torch.cat([pointer(data.ids[i : i + 256], data.scores[i : i + 256], data.coefficients[i : i + 256])
@@ -58,36 +74,43 @@ def main(argv: list[str] | None = None) -> list[dict]:
     lm, w, s = target.model, args.lm_weight, args.second_weight
     decode = threat.tokenizer.decode
     ways = {
-        "pointer + prior (lm)": (logits, "lm", w, 0.0),
-        "pointer + prior + second-layer test (second_layer)": (logits, "second_layer", w, s),
-        "prior + second-layer test, no pointer": (torch.zeros_like(logits), "second_layer", w, s),
-        "pointer + second-layer test, no prior": (logits, "second_layer", 0.0, s),
+        "lm": (logits, "lm", w, 0.0),
+        "second_layer": (logits, "second_layer", w, s),
+        "no_pointer": (torch.zeros_like(logits), "second_layer", w, s),
+        "no_prior": (logits, "second_layer", 0.0, s),
     }
     rows = []
 
-    def report(name: str, totals: ScoreTotals, seconds: float) -> None:
+    def report(name: str, totals: ScoreTotals, seconds: float, visible: float) -> None:
         row = {"decoding": name, "blocks": len(data), **{k: v for k, v in totals.means().items() if k != "samples"},
-               "seconds": round(seconds, 1)}
+               "visible_token_acc": visible, "seconds": round(seconds, 1)}
         print(json.dumps(row), flush=True)
         rows.append(row)
 
-    for name, (pointer_logits, rule, lm_weight, second_weight) in ways.items():
-        start = time.perf_counter()
+    for way in args.decodings:
+        pointer_logits, rule, lm_weight, second_weight = ways[way]
+        name, start = WAYS[way], time.perf_counter()
         preds = decode_candidates(data.ids, pointer_logits, rule, lm, lm_weight, 8, second, data.second_spaces, second_weight)
         totals = ScoreTotals()
         for pred, truth in zip(preds.tolist(), data.truth):
             totals.add(score_batch([pred], truth[None], None, decode))
-        report(name, totals, time.perf_counter() - start)
+        visible = float((preds[:, :-1] == data.truth[:, :-1]).float().mean())  # the positions the test reads
+        report(name, totals, time.perf_counter() - start, visible)
     if args.dager:
-        dager, totals, start = Dager(), ScoreTotals(), time.perf_counter()
-        for truth in data.truth:
+        dager, totals, start, hits = Dager(), ScoreTotals(), time.perf_counter(), 0
+        for i, truth in enumerate(data.truth):
             update = pipeline.split(pipeline({"input_ids": truth[None, None]}, keep_update=True).update)
+            spaces = second.input_spaces(update)[0]
+            if not torch.allclose(spaces, data.second_spaces[i], rtol=1e-3, atol=1e-6 * float(spaces.abs().max())):
+                raise SystemExit(f"block {i}: the update simulated again is not the one the file's candidates came from")
             result = dager.attack(target, {k: v[0] for k, v in update.items()}, batch_size=1, max_length=truth.shape[0])
             totals.add(score_batch(result.sequences, truth[None], None, decode, result.exact))
-        report("DAGER", totals, time.perf_counter() - start)
+            found = result.sequences[0] if result.sequences else []
+            hits += sum(int(a == b) for a, b in zip(found, truth[:-1].tolist()))
+        report("DAGER", totals, time.perf_counter() - start, hits / (len(data) * (data.truth.shape[1] - 1)))
     if args.out:
         write_text_atomically(args.out, json.dumps({"command": "python -m benchmarks.investigations.candidates.second_layer "
-                                                    + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
+                                                    + " ".join(argv if argv is not None else sys.argv[1:]),
                                                     "rows": rows}, indent=2) + "\n")
     return rows
 
