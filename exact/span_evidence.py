@@ -37,6 +37,17 @@ def _finite(spaces: Tensor) -> Tensor:
     return torch.nan_to_num(spaces.detach().double(), nan=0.0, posinf=0.0, neginf=0.0)
 
 
+def _capped_ranges(spaces: Tensor, rank_tol: float, max_rank: int) -> Tensor:
+    """(U, d, r) float64 orthonormal bases of the updates' spans (U, d, width), from a thin SVD (d * width^2,
+    not the d^3 of a full basis: LoRA's 2r columns are far fewer than d), each of its numerical rank capped
+    at `max_rank`; an update of lower rank is padded with zero columns (they project to 0)."""
+    left, s, _ = torch.linalg.svd(_finite(spaces).cpu(), full_matrices=False)  # one matrix at a time on a GPU: on the CPU
+    ranks = numerical_ranks(s, rank_tol).clamp_max(max_rank)
+    keep = torch.arange(left.shape[-1])[None] < ranks[:, None]  # (U, width)
+    width = int(ranks.max()) if ranks.numel() else 0
+    return (left * keep[:, None]).narrow(-1, 0, max(width, 1)).to(spaces.device)
+
+
 @dataclass(frozen=True)
 class EvidenceOptions(OptionGroup):
     """The hybrid learned attack's exact evidence (issue 33): DAGER's first-layer span test as an input.
@@ -110,15 +121,11 @@ class SpanEvidence(nn.Module):
         numerical = numerical_ranks(s, self.options.rank_tol).tolist()
         return [SpanBasis(left[u], s[u], numerical[u], min(numerical[u], self.max_rank)) for u in range(count)]
 
-    def ranges(self, update: dict[str, Tensor], spaces: Tensor | None = None) -> list[Tensor]:
-        """Each update's capped span as an orthonormal (d, rank) basis: the range of `spans`, from a thin
-        SVD (d * width^2, not the d^3 of a full basis: LoRA's 2r columns are far fewer than d).
-        `spaces`: the updates' `input_spaces`, if already computed."""
+    def ranges(self, update: dict[str, Tensor], spaces: Tensor | None = None) -> Tensor:
+        """(U, d, r) each update's capped span as an orthonormal basis, zero columns past its rank: the range
+        of `spans` (`_capped_ranges`). `spaces`: the updates' `input_spaces`, if already computed."""
         spaces = self.input_spaces(update) if spaces is None else spaces
-        g = _finite(spaces)
-        left, s, _ = torch.linalg.svd(g.cpu(), full_matrices=False)  # one matrix at a time on a GPU: on the CPU
-        ranks = numerical_ranks(s, self.options.rank_tol).clamp_max(self.max_rank).tolist()
-        return [left[u, :, : ranks[u]].to(spaces.device) for u in range(len(ranks))]
+        return _capped_ranges(spaces, self.options.rank_tol, self.max_rank)
 
     def distances(self, update: dict[str, Tensor], tokens: Tensor | None = None, chunk: int = 8) -> Tensor:
         """(U, L, V) distance of every token (or (U, L, C) of the token ids `tokens`, (C,)) at every
@@ -219,10 +226,7 @@ class CandidateEvidence:
         ids, scores, coefficients = [], [], []
         for start in range(0, len(bases), self.chunk):
             chunk = bases[start : start + self.chunk]
-            rank = max(b.shape[1] for b in chunk)
-            # Each range padded with zero columns to the chunk's largest rank: the padding projects to 0.
-            ranges = torch.stack([torch.nn.functional.pad(b.to(x), (0, rank - b.shape[1])) for b in chunk])
-            projected = torch.matmul(x, ranges).pow(2).sum(-1)  # (c, V)
+            projected = torch.matmul(x, chunk.to(x)).pow(2).sum(-1)  # (c, V)
             distance = ((x_sq - projected).clamp_min(0) / x_sq.clamp_min(1e-300)).sqrt()
             log_distance = torch.log(distance + DISTANCE_FLOOR)
             score = log_distance.mean(1, keepdim=True) - log_distance
@@ -276,13 +280,9 @@ class SecondLayerEvidence:
                             for u in range(count)]).float()
 
     def ranges(self, spaces: Tensor) -> Tensor:
-        """(U, d, r) float64 orthonormal bases of the spans (thin SVD), capped at the `seq_len - 1`
-        inputs of one sequence; an update of lower numerical rank is padded with zero columns."""
-        left, s, _ = torch.linalg.svd(_finite(spaces).cpu(), full_matrices=False)
-        ranks = numerical_ranks(s, self.rank_tol).clamp_max(self.visible)
-        keep = torch.arange(left.shape[-1])[None] < ranks[:, None]  # (U, width)
-        width = int(ranks.max()) if ranks.numel() else 0
-        return (left * keep[:, None]).narrow(-1, 0, max(width, 1)).to(spaces.device)
+        """(U, d, r) float64 orthonormal bases of the spans (`_capped_ranges`), capped at the `seq_len - 1`
+        inputs of one sequence."""
+        return _capped_ranges(spaces, self.rank_tol, self.visible)
 
     @torch.no_grad()
     def extend(self, tokens: Tensor, position: int, ranges: Tensor,

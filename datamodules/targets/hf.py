@@ -9,6 +9,7 @@ load saves a safetensors copy (model, config and tokenizer) under `$LTI_CACHE_DI
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -86,10 +87,16 @@ def cached_gguf_copy(folder: str, gguf_file: str, cache_dir: str | os.PathLike |
 
 def cache_keyword(model: torch.nn.Module) -> str:
     """The keyword a Hugging Face model's `forward` takes its key/value cache by: transformers 5 renamed
-    `past_key_values` to `cache` (the old name warns, then goes)."""
+    `past_key_values` to `cache` (the old name warns, then goes). Looked up once per model class: beam
+    searches ask at every step."""
+    return _cache_keyword(type(model))
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_keyword(cls: type) -> str:
     import inspect
 
-    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 
 class HFCausalLM(TargetLM):
