@@ -128,10 +128,11 @@ class RoundAttacks:
 
     def __init__(self, pipeline: UpdatePipeline, decode: Callable[[list[int]], str], seq_len: int, lr: float,
                  dager: bool, learned: LearnedInverter | None, samples: int, pointer: PointerAttack | None = None,
-                 steps: int = 1) -> None:
+                 steps: int = 1, trajectory: tuple[float, ...] = ()) -> None:
         self.pipeline, self.decode, self.seq_len, self.lr, self.steps = pipeline, decode, seq_len, lr, steps
         #: DAGER's second-layer test also at w - s * u for the offsets s of the clients' local steps
-        self.trajectory = tuple(t * lr for t in range(steps)) if steps > 1 else ()
+        #: (`exact.dager.local_step_offsets` of the clients' protocol; () for one step)
+        self.trajectory = tuple(trajectory)
         self.dager = Dager() if dager else None
         self.learned, self.pointer = learned, pointer
         self.samples = samples

@@ -118,6 +118,7 @@ class Audit:
             _write_json(identity, marker)
 
     def _build(self) -> None:
+        from exact.dager import local_step_offsets
         from lti.audit.attacks import LearnedInverter, PointerAttack, RoundAttacks
         from lti.audit.federation import client_pipeline
         from lti.trainer_cli import instantiate
@@ -166,7 +167,7 @@ class Audit:
                               "clients' path. The staleness probe simulates the threat model's one-step updates.")
         self.attacks = RoundAttacks(self.server, lambda t: data.tokenizer.decode(t), data.seq_len,
                                     fed.lr, self.options.attacks.dager, learned, self.options.attacks.samples, pointer,
-                                    fed.local_steps())
+                                    self.clients.client.local_steps(), local_step_offsets(self.clients.client.local))
         # Spread over the whole split, so over every client's documents.
         probe = min(self.options.attacks.probe_sequences, eval_ids.shape[0])
         self.probe_ids = eval_ids[torch.linspace(0, eval_ids.shape[0] - 1, probe).long()] if probe else eval_ids[:0]
