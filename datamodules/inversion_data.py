@@ -168,6 +168,7 @@ class InversionDataModule(LightningDataModule):
         self.keep_train_updates = False
         self._splits: dict[str, ClientUpdates] | None = None
         self._cache = None
+        self._ungrouped: dict[str, ClientUpdates] = {}  # training splits' samples before grouping (fresh groupings)
 
     def _build_pipeline(self, target: nn.Module, loss: ClientLoss) -> None:
         """The server's observation of `target` under the observation settings, with the client's loss."""
@@ -193,9 +194,13 @@ class InversionDataModule(LightningDataModule):
         """Tables: standardised rows (..., F) -> original units."""
         raise ValueError(f"{type(self).__name__} holds no table: only table rows can be de-standardised")
 
-    def _as_updates(self, limit: int | None, shuffle: bool, **fields: Tensor) -> ClientUpdates:
+    def _as_updates(self, limit: int | None, shuffle: bool, split: str | None = None, **fields: Tensor) -> ClientUpdates:
         """Samples (fields (N, ...)) -> client updates of m samples (fields (N // m, m, ...)); with
-        `shuffle` random samples are grouped, fixed once by the seed; at most `limit` samples."""
+        `shuffle` random samples are grouped, fixed once by the seed; at most `limit` samples.
+
+        With fresh groupings the samples of a training `split` are also kept ungrouped, all of them
+        (`_training_updates`): grouping drops the last N mod m, which would make the samples, and so an
+        observation cache of their one-sample updates, differ from one m to another."""
         count = next(iter(fields.values())).shape[0]
         if shuffle:
             order = torch.randperm(count, generator=torch.Generator().manual_seed(self.seed))
@@ -204,6 +209,8 @@ class InversionDataModule(LightningDataModule):
             fields = {k: v[:limit] for k, v in fields.items()}
             count = min(count, limit)
         m = self.samples_per_update
+        if split is not None and self.fresh_groups > 1:
+            self._ungrouped[split] = ClientUpdates(**{k: v.unsqueeze(1) for k, v in fields.items()})
         usable = count // m * m
         if usable == 0:
             raise ValueError(f"only {count} samples{self._sample_unit()}: too few for one update of {m}")
@@ -237,12 +244,11 @@ class InversionDataModule(LightningDataModule):
         return self.samples_per_update if self.grouping == "fresh" else 1
 
     def _training_updates(self) -> ClientUpdates:
-        """The training split as the stream reads it: its updates, or with fresh groupings its samples
-        (the same samples, each a one-sample update)."""
-        updates = self._splits[self.train_split]
+        """The training split as the stream reads it: its updates, or with fresh groupings all its samples,
+        each a one-sample update (the same for every m, so one observation cache serves them all)."""
         if self.fresh_groups == 1:
-            return updates
-        return ClientUpdates(**{k: v.reshape(-1, 1, *v.shape[2:]) for k, v in updates.fields.items()})
+            return self._splits[self.train_split]
+        return self._ungrouped[self.train_split]
 
     def train_dataloader(self) -> DataLoader:
         cache = self._open_cache() if self.observation.cache.path else None

@@ -122,7 +122,7 @@ class TextInversionDataModule(InversionDataModule):
             raise ValueError(f"the corpus yields no sample of {self.seq_len} tokens in one of its splits")
         self._blocks = {"auxiliary": (aux_ids, aux_mask), "evaluation": (eval_ids, eval_mask)}
         self._splits = {
-            "auxiliary": self._as_updates(self.train_samples, True, input_ids=aux_ids, attention_mask=aux_mask),
+            "auxiliary": self._as_updates(self.train_samples, True, "auxiliary", input_ids=aux_ids, attention_mask=aux_mask),
             "evaluation": self._as_updates(self.eval_samples, False, input_ids=eval_ids, attention_mask=eval_mask),
         }
         vocab = self.target.vocab_size
@@ -133,7 +133,7 @@ class TextInversionDataModule(InversionDataModule):
             # Drawn once from its own seeded generator: the same pool (and cache key) in every run and rank.
             size = self.pseudo_pool_size or aux_ids.shape[0]
             pool = MarginalSampler(self._counts).sample(size, self.seq_len, torch.Generator().manual_seed(self.seed))
-            self._splits["pseudo_pool"] = self._as_updates(None, True, input_ids=pool, attention_mask=torch.ones_like(pool))
+            self._splits["pseudo_pool"] = self._as_updates(None, True, "pseudo_pool", input_ids=pool, attention_mask=torch.ones_like(pool))
         aux = self._splits["auxiliary"]
         flat = aux.fields["input_ids"].view(len(aux), -1)
         # Per-position majority token of the server's data: the attack-free baseline.

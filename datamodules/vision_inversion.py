@@ -115,7 +115,7 @@ class ImageInversionDataModule(InversionDataModule):
             raise ValueError(f"data set {self.dataset_name!r} has {self.data.num_classes} classes but the target only {self.target.num_classes}")
         s = self.data.splits
         self._splits = {
-            "train": self._as_updates(self.train_samples, True, inputs=s["train"].inputs, labels=s["train"].labels),
+            "train": self._as_updates(self.train_samples, True, "train", inputs=s["train"].inputs, labels=s["train"].labels),
             "val": self._as_updates(self.eval_samples, False, inputs=s["val"].inputs, labels=s["val"].labels),
             "test": self._as_updates(self.eval_samples, False, inputs=s["test"].inputs, labels=s["test"].labels),
         }

@@ -83,6 +83,24 @@ def test_mixed_cache_batches_equal_on_the_fly_batches_of_the_same_grouping(corpu
         assert ((a["features"] - b["features"]).abs() / rms).max() < 2e-3  # float16 rounding of each row
 
 
+def test_one_cache_of_one_sample_updates_serves_every_m(corpus_files, tmp_path):
+    """Fresh groupings train on all the samples, whatever m (grouping once would drop N mod m of them),
+    so a cache built at m = 2 opens at an m that does not divide N, and its batches still equal the
+    on-the-fly updates of the same groupings."""
+    two = _datamodule(corpus_files, tmp_path / "cache")
+    _batches(two, 1)  # builds the cache
+    samples = two._training_updates()
+    m = next(m for m in (3, 5, 7, 9) if len(samples) % m)
+    client = FedSGDClient(mode="train", samples_per_update=m)
+    cached, fly = _datamodule(corpus_files, tmp_path / "cache", client=client), _datamodule(corpus_files, client=client)
+    assert torch.equal(cached._training_updates().fields["input_ids"], samples.fields["input_ids"])
+    assert len(cached._splits["auxiliary"]) * m < len(samples)  # the fixed grouping drops some
+    for a, b in zip(_batches(cached), _batches(fly)):
+        assert a["input_ids"].shape[1] == m and torch.equal(a["input_ids"], b["input_ids"])
+        rms = b["features"].pow(2).mean(dim=1, keepdim=True).sqrt()
+        assert ((a["features"] - b["features"]).abs() / rms).max() < 2e-3
+
+
 def test_the_on_the_fly_fresh_batch_is_the_clients_update_of_that_grouping(corpus_files):
     """The slow reference: the m-sample update computed directly by the pipeline from the batch's samples."""
     dm = _datamodule(corpus_files)
