@@ -379,3 +379,44 @@ def test_the_batch_ceiling_investigation_finds_every_visible_token_of_one_sequen
     assert one["batch_size"] == 1 and one["visible_tokens_in_top_12"] == 1.0  # 7 visible tokens, all in the span
     assert one["second_layer_score_true"] > one["second_layer_score_random"] + 2
     assert four["visible_tokens_in_top_12"] < 1.0  # 28 visible tokens, 16 directions
+
+
+def test_linking_ngram_model_is_a_distribution_for_every_context():
+    """benchmarks/investigations/batched/linking.py: the interpolated Witten-Bell n-gram sums to one over the
+    vocabulary (slow reference: every token's probability added up), for seen, partly seen and unseen contexts."""
+    import math
+
+    import torch
+
+    module = load_benchmark("investigations.batched.linking")
+    blocks = torch.tensor([[1, 2, 3, 4], [1, 2, 5, 4], [3, 2, 1, 0]])
+    model = module.NGramModel(blocks, vocab_size=7, order=3)
+    for context in [(1, 2), (2,), (6, 2), (6, 6), ()]:
+        total = sum(math.exp(model.log_prob(context, token)) for token in range(7))
+        assert total == pytest.approx(1.0, abs=1e-9), context
+    assert model.log_prob((1, 2), 3) > model.log_prob((1, 2), 4)  # seen continuation over an unseen one
+    with pytest.raises(ValueError, match="order 0"):
+        module.NGramModel(blocks, vocab_size=7, order=0)
+
+
+def test_linking_unscrambles_columns_and_the_joint_decoding_follows_its_weight():
+    """`link` puts each position's tokens back into the sequences the n-gram model knows; `joint` with a
+    dominant span weight keeps each position's best-scored candidates, with the n-gram dominant it
+    picks the known continuation; the matched accuracy ignores the sequences' order."""
+    import numpy as np
+    import torch
+
+    module = load_benchmark("investigations.batched.linking")
+    truth = np.array([[1, 2, 3, 4], [5, 6, 0, 7]])
+    model = module.NGramModel(torch.from_numpy(truth).repeat(20, 1), vocab_size=8, order=2)
+    scrambled = truth.copy()
+    scrambled[:, [1, 3]] = scrambled[::-1, [1, 3]]
+    assert np.array_equal(module.link(scrambled, model), truth)
+    assert module.matched_accuracy(torch.from_numpy(truth[::-1].copy())[None], torch.from_numpy(truth)[None]) == 1.0
+    # candidates per position: the true pair plus a distractor the span test scores highest
+    candidates = np.array([[1, 5, 0], [2, 6, 0], [3, 0, 1], [4, 7, 0]])
+    scores = np.array([[1.0, 1.0, 0.0], [0.0, 0.0, 5.0], [1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    lm = module.joint(candidates, scores, 2, model, weight=1e-3)
+    assert sorted(map(tuple, lm.tolist())) == sorted(map(tuple, truth.tolist()))
+    span = module.joint(candidates, scores, 2, model, weight=1e3)
+    assert 0 in span[:, 1]  # the span test's favourite at position 1 is taken
