@@ -420,3 +420,39 @@ def test_linking_unscrambles_columns_and_the_joint_decoding_follows_its_weight()
     assert sorted(map(tuple, lm.tolist())) == sorted(map(tuple, truth.tolist()))
     span = module.joint(candidates, scores, 2, model, weight=1e3)
     assert 0 in span[:, 1]  # the span test's favourite at position 1 is taken
+
+
+def test_linking_beam_search_against_brute_force():
+    """The partial k-best list starts with the best assignment (slow reference: every permutation), and a
+    beam that holds every linking of m = 2 sequences finds the objective's maximum over all of them."""
+    import itertools
+
+    import numpy as np
+    import torch
+
+    module = load_benchmark("investigations.batched.linking")
+    rng = np.random.default_rng(4)  # a draw where greedy linking misses the maximum
+    gain = rng.normal(size=(3, 5))
+    best = max(itertools.permutations(range(5), 3), key=lambda cols: gain[range(3), list(cols)].sum())
+    found = module.best_assignments(gain, 4)
+    assert tuple(found[0][1]) == best and len({tuple(c) for _, c in found}) == len(found) > 1
+    totals = [gain[pair].sum() for pair in found]
+    assert totals == sorted(totals, reverse=True)
+
+    blocks = torch.from_numpy(rng.integers(0, 6, size=(40, 5)))
+    model = module.NGramModel(blocks, vocab_size=6, order=3)
+    tokens = rng.integers(0, 6, size=(2, 5))
+
+    def objective(rows):
+        return sum(model.log_prob(tuple(row[:p]), int(row[p])) for row in rows for p in range(1, rows.shape[1]))
+
+    linkings = []
+    for swaps in itertools.product([False, True], repeat=4):
+        rows = tokens.copy()
+        for p, swap in enumerate(swaps, start=1):
+            if swap:
+                rows[:, p] = rows[::-1, p]
+        linkings.append(rows)
+    exhaustive = module.link(tokens, model, beam=16)
+    assert objective(exhaustive) == pytest.approx(max(objective(rows) for rows in linkings))
+    assert objective(module.link(tokens, model, beam=1)) < objective(exhaustive) - 0.5

@@ -80,38 +80,53 @@ class NGramModel:
         return float(np.log(prob))
 
 
-def link(tokens: np.ndarray, model: NGramModel) -> np.ndarray:
+def link(tokens: np.ndarray, model: NGramModel, beam: int = 1) -> np.ndarray:
     """(m, L) tokens, each position's column in arbitrary order -> the same columns reordered so that
-    row i is one sequence: position 0 as given, then every position's tokens assigned to the rows that
-    maximise the summed log-probability given each row's tokens so far (greedy left to right)."""
+    row i is one sequence, linked by the n-gram model alone (`joint` with each position's m tokens as
+    its candidates and no span score)."""
+    m, _ = tokens.shape
+    return joint(tokens.T, np.zeros(tokens.T.shape), m, model, weight=0.0, beam=beam)
+
+
+def best_assignments(gain: np.ndarray, count: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Up to `count` one-to-one assignments of gain's m rows to its K >= m columns, the best first (the
+    Hungarian method's, then the best with one of its pairs forbidden: a partial k-best list)."""
     from scipy.optimize import linear_sum_assignment
 
-    m, length = tokens.shape
-    out = tokens.copy()
-    for p in range(1, length):
-        gain = np.array([[model.log_prob(tuple(out[i, :p].tolist()), int(tokens[j, p])) for j in range(m)] for i in range(m)])
-        rows, cols = linear_sum_assignment(gain, maximize=True)
-        out[rows, p] = tokens[cols, p]
-    return out
+    rows, cols = linear_sum_assignment(gain, maximize=True)
+    found = {tuple(cols): (rows, cols)}
+    if count > 1:
+        for row, col in zip(rows, cols):
+            forbidden = gain.copy()
+            forbidden[row, col] = -1e9  # finite: scipy refuses an infeasible matrix
+            other = linear_sum_assignment(forbidden, maximize=True)
+            if forbidden[other].sum() > -1e8:
+                found.setdefault(tuple(other[1]), other)
+    return sorted(found.values(), key=lambda pair: -gain[pair].sum())[:count]
 
 
-def joint(candidates: np.ndarray, scores: np.ndarray, m: int, model: NGramModel, weight: float) -> np.ndarray:
-    """(L, K) candidate tokens of each position with their span scores -> (m, L) sequences: position 0
-    takes its m best candidates by weight * score + unigram log-probability, every later position the m
-    distinct candidates, and their rows, maximising weight * score + log P(candidate | row's previous
-    token) (greedy left to right, exact at each position)."""
-    from scipy.optimize import linear_sum_assignment
-
+def joint(candidates: np.ndarray, scores: np.ndarray, m: int, model: NGramModel, weight: float, beam: int = 1) -> np.ndarray:
+    """(L, K >= m) candidate tokens of each position with their span scores -> (m, L) sequences: position
+    0 takes its m best candidates by weight * score + unigram log-probability, every later position m
+    distinct candidates, and the rows they extend, maximising weight * score + log P(candidate | the
+    row's tokens so far) summed over the rows; left to right, keeping the `beam` best partial
+    reconstructions (1: greedy, exact at each position)."""
     length, _ = candidates.shape
-    out = np.empty((m, length), dtype=np.int64)
     first = weight * scores[0] + np.log(model.unigram[candidates[0]])
-    out[:, 0] = candidates[0][np.argsort(-first, kind="stable")[:m]]
+    top = np.argsort(-first, kind="stable")[:m]
+    beams = [(float(first[top].sum()), candidates[0][top][:, None])]
     for p in range(1, length):
-        gain = weight * scores[p][None, :] + np.array(
-            [[model.log_prob(tuple(out[i, :p].tolist()), int(t)) for t in candidates[p]] for i in range(m)])
-        rows, cols = linear_sum_assignment(gain, maximize=True)
-        out[rows, p] = candidates[p][cols]
-    return out
+        grown = []
+        for total, so_far in beams:
+            gain = weight * scores[p][None, :] + np.array(
+                [[model.log_prob(tuple(so_far[i].tolist()), int(t)) for t in candidates[p]] for i in range(m)])
+            for rows, cols in best_assignments(gain, beam):
+                column = np.empty(m, dtype=np.int64)
+                column[rows] = candidates[p][cols]
+                grown.append((total + float(gain[rows, cols].sum()), np.concatenate([so_far, column[:, None]], 1)))
+        grown.sort(key=lambda item: -item[0])
+        beams = grown[:beam]
+    return beams[0][1]
 
 
 def matched_accuracy(preds: torch.Tensor, ids: torch.Tensor) -> float:
@@ -138,6 +153,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--m", type=int, nargs="+", default=[2, 4, 8, 16])
     parser.add_argument("--defenses", nargs="*", default=[], help="also the span-test attack under these defenses")
     parser.add_argument("--chunk", type=int, default=32)
+    parser.add_argument("--beam", type=int, default=1, help="partial reconstructions kept while linking (1: greedy)")
     parser.add_argument("--order", type=int, default=3, help="the n-gram model's order (2: bigram)")
     parser.add_argument("--embedded", action=argparse.BooleanOptionalAction, default=True,
                         help="add the embedded Wikipedia/news sample to the auxiliary text (as the LTI runs do)")
@@ -172,7 +188,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         oracle = shuffled(ids, generator)
         record(m, "oracle, random links", oracle, ids, time.perf_counter() - start)
         start = time.perf_counter()
-        linked = torch.from_numpy(np.stack([link(o.numpy(), model) for o in oracle]))
+        linked = torch.from_numpy(np.stack([link(o.numpy(), model, args.beam) for o in oracle]))
         record(m, f"oracle, {args.order}-gram links", linked, ids, time.perf_counter() - start)
         for name in args.defenses:
             start = time.perf_counter()
@@ -181,20 +197,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
             preds = span_test_attack(tokens, m)
             record(m, f"span test, {name}", preds, ids, time.perf_counter() - start)
             start = time.perf_counter()
-            linked = torch.from_numpy(np.stack([link(p.numpy(), model) for p in preds]))
+            linked = torch.from_numpy(np.stack([link(p.numpy(), model, args.beam) for p in preds]))
             record(m, f"span test, {name}, {args.order}-gram links", linked, ids, time.perf_counter() - start)
             # the weight, chosen on updates of held-out auxiliary blocks
             tune_ids = tune_blocks[: len(tune_blocks) // m * m].view(-1, m, 16)
             tune_tokens, tune_scores = span_candidates(tune_ids, name, count, args.chunk)
             tuning = {}
             for weight in args.weights:
-                decoded = np.stack([joint(t.numpy(), v.numpy(), m, model, weight) for t, v in zip(tune_tokens, tune_scores)])
+                decoded = np.stack([joint(t.numpy(), v.numpy(), m, model, weight, args.beam) for t, v in zip(tune_tokens, tune_scores)])
                 tuning[weight] = matched_accuracy(torch.from_numpy(decoded), tune_ids)
             best = max(args.weights, key=lambda w: tuning[w])
             print(f"  weights on {len(tune_ids)} held-out auxiliary updates: "
                   + ", ".join(f"{w:g}: {100 * a:.1f}" for w, a in tuning.items()) + f" -> {best:g}", flush=True)
             start = time.perf_counter()
-            decoded = np.stack([joint(t.numpy(), v.numpy(), m, model, best) for t, v in zip(tokens, scores)])
+            decoded = np.stack([joint(t.numpy(), v.numpy(), m, model, best, args.beam) for t, v in zip(tokens, scores)])
             record(m, f"span test + {args.order}-gram, joint, {name} (weight {best:g})", torch.from_numpy(decoded), ids,
                    time.perf_counter() - start)
             rows[-1]["tuning"] = {str(w): a for w, a in tuning.items()}
