@@ -5,6 +5,9 @@ on it has to link each position's tokens into m sequences. For the first 1,000 W
 blocks grouped into updates of m (as every attack of docs/batched_updates.md is scored), this prints
 the matched token accuracy of:
 
+- `no update`: sequence i repeats the auxiliary text's i-th most frequent token, for every update (what
+  matching the m sequences to the true ones gives a guess that reads nothing: more than the
+  per-position majority baseline once m > 1);
 - `oracle, random links`: each position's m true tokens, put into the m sequences in a random order
   (what a perfect per-position test is worth without any linking);
 - `oracle, n-gram links`: the same tokens linked left to right by an n-gram model (`--order`, 3 by
@@ -184,6 +187,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for m in args.m:
         updates = args.blocks // m
         ids = blocks[: updates * m].view(updates, m, 16)
+        # what a guess that never reads the update scores once the sequences are matched to the true ones:
+        # sequence i repeats the auxiliary text's i-th most frequent token
+        frequent = torch.from_numpy(np.argsort(-model.unigram, kind="stable")[:m].copy())
+        record(m, "no update: the m most frequent tokens", frequent.view(1, m, 1).expand(updates, m, 16), ids, 0.0)
         start = time.perf_counter()
         oracle = shuffled(ids, generator)
         record(m, "oracle, random links", oracle, ids, time.perf_counter() - start)
