@@ -456,3 +456,28 @@ def test_linking_beam_search_against_brute_force():
     exhaustive = module.link(tokens, model, beam=16)
     assert objective(exhaustive) == pytest.approx(max(objective(rows) for rows in linkings))
     assert objective(module.link(tokens, model, beam=1)) < objective(exhaustive) - 0.5
+
+
+def test_compare_curves_draws_baselines_unless_told_not_to_and_a_colour_per_curve(tmp_path, monkeypatch):
+    """`--no-baseline` leaves one line per curve; past ten curves the colours still differ."""
+    import sys
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.axes import Axes
+
+    curve = tmp_path / "curve.csv"
+    curve.write_text("step,samples,wall_minutes,val/baseline/token_acc,val/lti/rouge1,val/lti/rouge2,val/lti/rougeL,"
+                     "val/lti/token_acc\n500,32000,5.0,0.05,0.5,0.3,0.5,0.60\n")
+    module = load_benchmark("tools.compare_curves")
+    drawn = []
+    original = Axes.plot
+    monkeypatch.setattr(Axes, "plot", lambda self, *a, **k: drawn.append(k) or original(self, *a, **k))
+    curves = [arg for i in range(11) for arg in ("--curve", f"run {i}", str(curve))]
+    for flag, lines in (([], 22), (["--no-baseline"], 11)):
+        drawn.clear()
+        monkeypatch.setattr(sys, "argv", ["compare_curves", "--out", str(tmp_path / "out"), "--name", "many", *flag, *curves])
+        module.main()
+        assert len(drawn) == lines
+    assert len({k["color"] for k in drawn}) == 11

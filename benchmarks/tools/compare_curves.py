@@ -32,6 +32,8 @@ def main() -> None:
     parser.add_argument("--name", required=True)
     parser.add_argument("--curve", nargs=2, action="append", required=True, metavar=("LABEL", "CSV"))
     parser.add_argument("--title", default="")
+    parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
+                        help="draw each curve's attack-free baseline (--no-baseline: one figure of many runs stays legible)")
     parser.add_argument("--x", choices=["step", "samples"], default="step",
                         help="x axis: training steps, or training updates seen (`samples`: runs of other batch sizes)")
     args = parser.parse_args()
@@ -42,11 +44,13 @@ def main() -> None:
 
     args.out.mkdir(parents=True, exist_ok=True)
     figure, axis = plt.subplots(figsize=(6.5, 4))
-    for label, path in args.curve:
+    palette = plt.cm.tab20.colors if len(args.curve) > 10 else plt.cm.tab10.colors  # a colour per curve
+    for index, (label, path) in enumerate(args.curve):
         rows = read_curve(Path(path))
         steps = [int(r[args.x]) for r in rows]
-        line, = axis.plot(steps, [100 * metric(r, "token_acc") for r in rows], marker="o", markersize=3, label=label)
-        if "val/baseline/token_acc" in rows[0]:
+        line, = axis.plot(steps, [100 * metric(r, "token_acc") for r in rows], marker="o", markersize=3, label=label,
+                          color=palette[index % len(palette)])
+        if args.baseline and "val/baseline/token_acc" in rows[0]:
             axis.plot(steps, [100 * float(r["val/baseline/token_acc"]) for r in rows], linestyle=":", color=line.get_color(),
                       label=f"{label}: baseline")
         copy = args.out / f"{args.name}_{re.sub(r'[^a-z0-9]+', '_', label.lower()).strip('_')}.csv"
