@@ -45,7 +45,7 @@ def _evaluate(args: argparse.Namespace, argv: list[str]) -> None:
     from datamodules.metrics import rouge_f
     from exact.span_evidence import SecondLayerEvidence
     from lti.candidates.decoding import decode_candidates
-    from lti.candidates.evidence_file import SHARED, check_held_out, load
+    from lti.candidates.evidence_file import check_pointer_fits, load
     from lti.candidates.weights import load_pointer
     from lti.trainer_cli import instantiate
 
@@ -65,11 +65,7 @@ def _evaluate(args: argparse.Namespace, argv: list[str]) -> None:
     _, threat = instantiate(meta["config"], json.loads(meta["overrides"]))
     target = threat.pipeline.target
     pointer, trained_on = load_pointer(args.pointer, target.embedding_matrix)
-    differ = [k for k in SHARED if trained_on.get(k) != meta.get(k)]
-    if differ:
-        raise ValueError(f"the pointer was trained on candidates that differ from {args.eval[0]} in {', '.join(differ)}")
-    if trained_on.get("split") == meta["split"]:
-        check_held_out(data, trained_on, args.tail, args.eval[0])
+    check_pointer_fits(data, trained_on, args.tail, args.eval[0])
     second = None
     if "second_layer" in args.decode:
         if data.second_spaces is None:

@@ -160,9 +160,18 @@ def load(paths: Sequence[str | Path]) -> EvidenceSet:
                        {k: v for k, v in first[1].items() if k != "first_block"}, cat.get("blocks"), cat.get("second_spaces"))
 
 
-def check_held_out(data: EvidenceSet, trained_on: dict, tail: int, name: str) -> None:
-    """Refuse candidates of the pointer's own training split that it trained on (`trained_on`: the pointer's
-    metadata, `load_pointer`); `tail`: the rows taken from the end of the files (a fit's --holdout)."""
+def check_pointer_fits(data: EvidenceSet, trained_on: dict, tail: int, name: str) -> None:
+    """Refuse evidence a pointer cannot be evaluated on (`trained_on`: its metadata, `load_pointer`):
+    candidates built otherwise than its training candidates, or blocks of its own training split that it
+    trained on (`tail`: the rows taken from the end of the files, a fit's --holdout)."""
+    differ = [k for k in SHARED if trained_on.get(k) != data.metadata.get(k)]
+    if differ:
+        raise ValueError(f"the pointer was trained on candidates that differ from {name} in {', '.join(differ)}")
+    if trained_on.get("split") == data.metadata["split"]:
+        _check_held_out(data, trained_on, tail, name)
+
+
+def _check_held_out(data: EvidenceSet, trained_on: dict, tail: int, name: str) -> None:
     end = trained_on.get("train_blocks_end", trained_on.get("train_blocks"))
     if data.blocks is not None and end is not None:
         if int(data.blocks.min()) < int(end):

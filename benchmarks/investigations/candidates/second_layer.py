@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from exact.span_evidence import SecondLayerEvidence
     from lti.atomic_files import write_text_atomically
     from lti.candidates.decoding import decode_candidates
-    from lti.candidates.evidence_file import SHARED, check_held_out, load
+    from lti.candidates.evidence_file import check_pointer_fits, load
     from lti.candidates.weights import load_pointer
     from lti.trainer_cli import instantiate
 
@@ -59,14 +59,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     pipeline = threat.pipeline
     target = pipeline.target
     pointer, trained_on = load_pointer(args.pointer, target.embedding_matrix)
-    differ = [k for k in SHARED if trained_on.get(k) != meta.get(k)]
-    if differ:
-        raise SystemExit(f"the pointer was trained on candidates that differ from {args.eval[0]} in {', '.join(differ)}")
-    if trained_on.get("split") == meta["split"]:
-        try:
-            check_held_out(data, trained_on, 0, args.eval[0])  # only blocks the pointer did not train on
-        except ValueError as error:
-            raise SystemExit(str(error)) from None
+    try:
+        check_pointer_fits(data, trained_on, 0, args.eval[0])  # only blocks the pointer did not train on
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
     second = SecondLayerEvidence(target, list(pipeline.names), int(meta["seq_len"]))
     with torch.no_grad():
         logits = torch.cat([pointer(data.ids[i : i + 256], data.scores[i : i + 256], data.coefficients[i : i + 256])
