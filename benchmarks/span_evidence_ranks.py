@@ -74,10 +74,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
         updates = args.updates if args.updates else args.blocks // m
         ids = blocks[: updates * m].view(updates, m, 16).to(args.device)
         for name in args.defenses:
-            target = Transformer3(dropout=0.0).to(args.device)
-            pipeline = UpdatePipeline(target, FedSGDClient(mode="train", samples_per_update=m), DEFENSES[name]())
-            rows.append(measure(pipeline, ids, name, args))
+            rows.append(measure(transformer3_pipeline(m, name).to(args.device), ids, name, args))
     return rows
+
+
+def transformer3_pipeline(m: int, defense: str) -> UpdatePipeline:
+    """The page's threat model: transformer3 (dropout 0), FedSGD in train mode over m sequences, `defense`."""
+    return UpdatePipeline(Transformer3(dropout=0.0), FedSGDClient(mode="train", samples_per_update=m), DEFENSES[defense]())
+
+
+def matched_token_accuracy(preds: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Per update, the token accuracy of (U, m, L) predictions with their sequences matched to the true
+    ones (an update has no order), as every attack of docs/batched_updates.md is scored."""
+    count = ids.shape[0]
+    order = match_sequences(preds, ids, torch.ones_like(ids))
+    (matched,) = reorder_sequences(order, ids.reshape(count, -1))
+    return token_accuracy(preds.reshape(count, -1), matched)
 
 
 def measure(pipeline: UpdatePipeline, ids_all: torch.Tensor, name: str, args: argparse.Namespace) -> dict:
@@ -99,9 +111,7 @@ def measure(pipeline: UpdatePipeline, ids_all: torch.Tensor, name: str, args: ar
             bags.append(len(truth & set(top[u].tolist())) / len(truth))
         slots = scores.unsqueeze(1).expand(-1, m, -1, -1).reshape(count, m * length, -1)
         preds = distinct_slots(slots, m).view(count, m, length)
-        order = match_sequences(preds, ids, torch.ones_like(ids))
-        (matched,) = reorder_sequences(order, ids.reshape(count, -1))
-        correct.append(token_accuracy(preds.reshape(count, -1), matched))
+        correct.append(matched_token_accuracy(preds, ids))
     seconds = (time.perf_counter() - start) / updates
     rank, accuracy, bag = torch.cat(ranks).float(), torch.cat(correct).mean(), sum(bags) / len(bags)
     print(f"| {m} | {name} | {updates} | {100 * (rank < m).float().mean():.1f} | {100 * (rank < 100).float().mean():.1f} "

@@ -134,12 +134,9 @@ def joint(candidates: np.ndarray, scores: np.ndarray, m: int, model: NGramModel,
 
 def matched_accuracy(preds: torch.Tensor, ids: torch.Tensor) -> float:
     """Token accuracy of (U, m, L) predictions, sequences matched to the true ones (as every attack here)."""
-    from datamodules.metrics import match_sequences, reorder_sequences, token_accuracy
+    from benchmarks.span_evidence_ranks import matched_token_accuracy
 
-    count = ids.shape[0]
-    order = match_sequences(preds, ids, torch.ones_like(ids))
-    (matched,) = reorder_sequences(order, ids.reshape(count, -1))
-    return float(token_accuracy(preds.reshape(count, -1), matched).mean())
+    return float(matched_token_accuracy(preds, ids).mean())
 
 
 def shuffled(ids: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -232,13 +229,11 @@ def span_candidates(ids_all: torch.Tensor, defense: str, count: int, chunk: int)
     """(U, m, L) blocks -> each position's `count` best-scoring tokens under the span test of their
     update (`exact.span_evidence`, as `benchmarks.span_evidence_ranks`): ids (U, L, count) and scores
     (U, L, count), best first."""
-    from benchmarks.span_evidence_ranks import DEFENSES
-    from datamodules.federated import FedSGDClient, UpdatePipeline
-    from datamodules.targets import Transformer3
+    from benchmarks.span_evidence_ranks import transformer3_pipeline
     from exact.span_evidence import EvidenceOptions, SpanEvidence
 
     updates, m, length = ids_all.shape
-    pipeline = UpdatePipeline(Transformer3(dropout=0.0), FedSGDClient(mode="train", samples_per_update=m), DEFENSES[defense]())
+    pipeline = transformer3_pipeline(m, defense)
     evidence = SpanEvidence(pipeline.target, list(pipeline.names), m * length, length, EvidenceOptions())
     torch.manual_seed(0)
     tokens, values = [], []
