@@ -38,6 +38,7 @@ from datamodules.cache_folder import build_lock, checksums, first_mismatch, part
 from datamodules.client_updates import ClientUpdates
 from datamodules.federated import Defense, NoDefense
 from datamodules.federated.pipeline import UpdatePipeline
+from datamodules.float_noise import same_up_to_float_noise
 from datamodules.training_stream import seeded
 
 log = logging.getLogger(__name__)
@@ -128,12 +129,13 @@ def key_difference(saved: dict, wanted: dict) -> str | None:
     return None
 
 
-def differ_only_by_accumulation_order(first: Tensor, second: Tensor) -> bool:
-    """Whether two computations of the same updates (U, k) agree up to floating-point accumulation order
-    (every row within `ACCUMULATION_ORDER_TOLERANCE` of its largest entry), as a deterministic client's
-    do on any device; a random client's (dropout in train mode) differ by the order of the values."""
-    scale = first.abs().amax(dim=1)
-    return bool(((first - second).abs().amax(dim=1) <= ACCUMULATION_ORDER_TOLERANCE * scale).all())
+def differ_only_by_accumulation_order(first: Tensor, second: Tensor, terms: int = 1) -> bool:
+    """Whether two computations of the same updates (U, k) agree up to floating-point accumulation order,
+    as a deterministic client's do on any device: every row within `ACCUMULATION_ORDER_TOLERANCE` of its
+    largest entry, or within float32's noise of a sum of `terms` (coordinates per hash bin) if that is
+    larger (`datamodules.float_noise`); a random client's (dropout in train mode) differ by the order of
+    the values."""
+    return same_up_to_float_noise(first, second, terms, dim=1, floor=ACCUMULATION_ORDER_TOLERANCE)
 
 
 REBUILD = "set data.cache.rebuild true to rebuild it"
@@ -269,7 +271,8 @@ class ObservationCache:
         """Refuses a client whose updates are random: a cache would freeze one draw. Compared before any
         defense (a sign or pruning turns accumulation-order noise into whole flipped coordinates)."""
         first, second = (self._observe(batch, seed, defense=NoDefense()) for seed in (0, 1))
-        if not differ_only_by_accumulation_order(first, second):
+        per_bin = -(-self.pipeline.observed_dim // max(self.pipeline.spec.num_bins, 1))  # coordinates summed per bin
+        if not differ_only_by_accumulation_order(first, second, per_bin):
             raise ValueError("client updates are random (dropout in train mode?): caching would freeze one draw; "
                              "use a deterministic client or drop data.cache.path")
 

@@ -83,8 +83,10 @@ class FolderClaim:
         self._fd = None
 
 
-def _lock(folder: Path) -> tuple[int, str | None]:
-    """Takes the folder's lock; returns its file descriptor and a note when a stale lock was taken over."""
+def _lock(folder: Path, in_use=None) -> tuple[int, str | None]:
+    """Takes the folder's lock; returns its file descriptor and a note when a stale lock was taken over.
+    `in_use(folder, pid, host)`: the message of the refusal when a live process holds it."""
+    in_use = in_use or _in_use_message
     path = folder / LOCK_NAME
     for _ in range(10):  # retried while a releasing owner deletes the file under us
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -95,14 +97,14 @@ def _lock(folder: Path) -> tuple[int, str | None]:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
                     os.close(fd)
-                    raise FolderInUse(_in_use_message(folder, pid, host)) from None
+                    raise FolderInUse(in_use(folder, pid, host)) from None
                 except OSError:  # no flock on this file system: judge by the PID written in the file
                     if pid is not None and pid != os.getpid() and (host != socket.gethostname() or process_alive(pid)):
                         os.close(fd)
-                        raise FolderInUse(_in_use_message(folder, pid, host)) from None
+                        raise FolderInUse(in_use(folder, pid, host)) from None
             elif pid is not None and pid != os.getpid() and (host != socket.gethostname() or process_alive(pid)):
                 os.close(fd)
-                raise FolderInUse(_in_use_message(folder, pid, host)) from None
+                raise FolderInUse(in_use(folder, pid, host)) from None
             try:
                 same_file = os.fstat(fd).st_ino == os.stat(path).st_ino
             except FileNotFoundError:
@@ -121,7 +123,21 @@ def _lock(folder: Path) -> tuple[int, str | None]:
             with contextlib.suppress(OSError):
                 os.close(fd)
             raise
-    raise FolderInUse(f"checkpoint folder {folder} is locked and unlocked too often to claim; is a run restarting in it?")
+    raise FolderInUse(f"folder {folder} is locked and unlocked too often to claim; is a run restarting in it?")
+
+
+def lock(folder: str | os.PathLike, in_use) -> FolderClaim:
+    """The lock alone, for another command's folder (`lti audit`'s out_dir): one live writer per folder,
+    a stale lock taken over (said in `notes`); `in_use(folder, pid, host)` words the refusal. The folder
+    must exist. Release with `.release()`."""
+    folder = Path(folder)
+    fd, stale = _lock(folder, in_use)
+    return FolderClaim(folder, [stale] if stale else [], fd)
+
+
+def describe_owner(pid: int | None, host: str | None) -> str:
+    """`process PID` (`on HOST` when not this one), for a refusal's message."""
+    return _describe_owner(pid, host)
 
 
 def _in_use_message(folder: Path, pid: int | None, host: str | None) -> str:

@@ -1,6 +1,13 @@
 """Text corpora with two disjoint splits: `auxiliary` (the server's training data) and `evaluation`
 (stand-in for the clients' private data). Every source yields `datasets.Dataset`s with a `text` column,
-loaded through `datasets` so hub names and local files share its caching."""
+loaded through `datasets` so hub names and local files share its caching.
+
+Where copies of the text go: the embedded corpus writes its splits as text files under
+`$LTI_CACHE_DIR/corpora`, and `datasets` keeps an Arrow copy of every local or embedded file (and of its
+tokenisation) in its cache (`~/.cache/huggingface/datasets`). With `$LTI_TEXT_CACHE_DIR` set, both go
+there instead (`corpora/`, `datasets/`): `lti audit` points it into its run folder, so the clients' text
+stays there. Hub datasets (`HubCorpus`) stay in the `datasets` cache: public text, downloaded once.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +25,20 @@ from datamodules.registry import Registry
 
 CORPORA: Registry["TextCorpus"] = Registry("corpus")
 SPLITS = ("auxiliary", "evaluation")
+#: The environment variable naming a folder for the copies of corpus text (see the module's docstring).
+TEXT_CACHE_VARIABLE = "LTI_TEXT_CACHE_DIR"
+
+
+def text_cache_dir() -> Path | None:
+    """`$LTI_TEXT_CACHE_DIR`, where copies of local and embedded corpus text go; None: the usual caches."""
+    folder = os.environ.get(TEXT_CACHE_VARIABLE)
+    return Path(folder) if folder else None
+
+
+def datasets_cache_dir() -> str | None:
+    """The `cache_dir` for `datasets.load_dataset` of local and embedded text (None: its own default)."""
+    folder = text_cache_dir()
+    return str(folder / "datasets") if folder is not None else None
 
 
 class TextCorpus(CORPORA.base(), ABC):
@@ -143,9 +164,9 @@ class LocalCorpus(TextCorpus):
 
         try:
             if self.format == "text":
-                ds = load_dataset("text", data_files=files, split="train")
+                ds = load_dataset("text", data_files=files, split="train", cache_dir=datasets_cache_dir())
             else:
-                ds = load_dataset("csv", data_files=files, delimiter="\t", split="train")
+                ds = load_dataset("csv", data_files=files, delimiter="\t", split="train", cache_dir=datasets_cache_dir())
         except Exception as error:  # datasets wraps a decoding error in its own, without the file's name
             if _caused_by(error, UnicodeDecodeError) and (problem := _first_undecodable(files)):
                 raise problem from None
@@ -265,7 +286,7 @@ class EmbeddedCorpus(TextCorpus):
     """Offline default: gensim's English Wikipedia sample (~100 articles) and Lee news corpus.
 
     Split by document (every article/news item goes wholly to one side), written once as plain text
-    under the cache directory and then loaded with `datasets` like any local file.
+    under the cache directory (`$LTI_TEXT_CACHE_DIR` when set) and then loaded with `datasets` like any local file.
     """
 
     name = "embedded"
@@ -289,7 +310,7 @@ class EmbeddedCorpus(TextCorpus):
     def files(self) -> dict[str, Path]:
         import random
 
-        folder = cache_dir() / "corpora" / f"embedded-{'-'.join(self.sources)}-{self.eval_fraction}-{self.seed}"
+        folder = (text_cache_dir() or cache_dir()) / "corpora" / f"embedded-{'-'.join(self.sources)}-{self.eval_fraction}-{self.seed}"
         paths = {split: folder / f"{split}.txt" for split in SPLITS}
         if all(p.exists() for p in paths.values()):
             return paths
@@ -311,5 +332,6 @@ class EmbeddedCorpus(TextCorpus):
 
         paths = self.files()
         return DatasetDict(
-            {split: load_dataset("text", data_files=str(paths[split]), split="train") for split in SPLITS}
+            {split: load_dataset("text", data_files=str(paths[split]), split="train", cache_dir=datasets_cache_dir())
+             for split in SPLITS}
         )

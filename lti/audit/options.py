@@ -137,6 +137,8 @@ class AttackOptions:
                 raise ValueError(f"attacks.{name}={value} must be finite and >= 0")
         if self.probe_sequences < 0:
             raise ValueError(f"attacks.probe_sequences={self.probe_sequences} must be >= 0")
+        if self.samples < 0:
+            raise ValueError(f"attacks.samples={self.samples} must be >= 0 (0: no reconstructions shown)")
 
 
 @dataclass

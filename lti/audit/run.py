@@ -4,33 +4,68 @@ The run folder (`out_dir`) holds, per round r, `rounds/r{r:03d}/`:
 - `sent.safetensors`: the global adapter weights the server sent; `replies.safetensors`: what each client
   returned, as Flower delivered it (`c{client}/{name}`); `after.safetensors`: the aggregate;
 - `batches.safetensors`: the clients' true token ids (for scoring; client text stays in this folder);
-- `round.json`: utility and DP figures; `attacks.json`: the attacks' scores (written last).
+- `round.json`: utility and DP figures and the files' checksums; `attacks-<hash>.json`: the attacks' scores
+  under one set of attack options (written last).
 Every file is written to a temporary name and renamed, so a folder holds whole files only. A rerun with
 the same options resumes: finished rounds are read back, the simulation continues from the last
 aggregate, and only unattacked rounds are attacked.
+
+What the folder holds is proven (`lti.audit.folder`): `audit.json` records the threat model's resolved
+content and the hashes of its model and client data, and a rerun with another threat model, federation or
+Flower DP is refused naming the first setting that differs; `--federation.rounds` may grow (the rounds
+are added) or shrink (the report shows the first rounds). `round.json` records the sha256 of the round's
+files, checked whenever they are read. The attacks' scores of each set of attack options are a file of
+their own, `attacks-<hash of the options>.json`: a rerun with other options adds its scores beside the
+earlier ones. One audit at a time writes the folder (the lock `lti fit` takes on its checkpoint folders),
+and a start that fails before its first round leaves the folder as it was. The corpus' copies of the
+clients' text (`$LTI_TEXT_CACHE_DIR`) go to `corpus_cache/` in the folder.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import hashlib
 import json
 import logging
-import math
+import os
+import shutil
 import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save
+from safetensors.torch import save
 
-from lti.atomic_files import atomic_writer, write_text_atomically
+from lti.atomic_files import atomic_writer, orphaned_temp_files, write_text_atomically
+from lti.audit.folder import (
+    canonical_sha256,
+    compared_content,
+    first_difference,
+    plain,
+    read_json,
+    read_tensors,
+    tensors_sha256,
+)
 from lti.audit.options import AuditOptions
 
-#: The options that fix what a run folder holds: a rerun with other values is refused, not mixed in.
-RUN_KEYS = ("threat_model", "threat_model_args", "federation", "flower_dp")
+#: `audit.json`'s format: 2 records the threat model's content and hashes.
+FOLDER_FORMAT = 2
+#: The folder under out_dir for the corpus' copies of the clients' text (`$LTI_TEXT_CACHE_DIR`).
+TEXT_CACHE = "corpus_cache"
+#: The round files written with a checksum, in the order they are written.
+ROUND_FILES = ("sent.safetensors", "replies.safetensors", "after.safetensors", "batches.safetensors")
 
 
-def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+class FolderNotWritable(ValueError):
+    """`--out_dir` cannot be written (read-only, no permission): the command cannot run as given."""
+
+
+def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> str:
+    """Writes the file atomically; returns its sha256."""
+    data = save({k: v.contiguous() for k, v in tensors.items()})
     with atomic_writer(path) as file:
-        file.write(save({k: v.contiguous() for k, v in tensors.items()}))
+        file.write(data)
+    return hashlib.sha256(data).hexdigest()
 
 
 def _write_json(value, path: Path) -> None:
@@ -104,33 +139,63 @@ class Audit:
         self.rounds_dir = self.out / "rounds"
 
     # ---------------------------------------------------------------- set-up
+    def _identity(self) -> dict:
+        """What this audit's folder must hold (`audit.json`): the threat model by content and hashes, the
+        federation without its round count, Flower's DP."""
+        federation = plain(self.options.federation)
+        federation.pop("rounds")
+        return {"format": FOLDER_FORMAT, "threat_model": self.options.threat_model,
+                "threat_model_args": list(self.options.threat_model_args),
+                "threat_model_content": self.content, "threat_model_sha256": canonical_sha256(compared_content(self.content)),
+                "model_sha256": self.model_sha256, "client_data_sha256": self.client_data_sha256,
+                "federation": federation, "flower_dp": plain(self.options.flower_dp)}
+
     def _claim_folder(self) -> None:
-        identity = {key: _plain(getattr(self.options, key)) for key in RUN_KEYS}
+        identity = self._identity()
         marker = self.out / "audit.json"
-        if marker.exists():
-            previous = json.loads(marker.read_text())
-            previous, current = _same_run(previous), _same_run(identity)
-            if previous != current:
-                changed = sorted(k for k in current if previous.get(k) != current[k])
-                raise ValueError(f"{self.out} holds an audit with other {', '.join(changed)}; choose another out_dir")
-        else:
-            self.out.mkdir(parents=True, exist_ok=True)
+        if not marker.exists():
             _write_json(identity, marker)
+            return
+        previous = read_json(marker, "it records which audit the folder's rounds belong to: choose another --out_dir, "
+                                     "or delete it to take the folder's rounds as this audit's")
+        if self.finished_rounds() == 0:  # a start that failed (before this version cleaned up): nothing to mix
+            if _difference(previous, identity):
+                self.say(f"note: {marker} belonged to a start that recorded no round; replaced by this audit's")
+            _write_json(identity, marker)
+            return
+        difference = _difference(previous, identity)
+        if difference:
+            raise ValueError(f"{self.out} holds an audit of {difference}; choose another --out_dir")
+        if "threat_model_content" not in previous:
+            _write_json({**previous, **identity}, marker)
+            self.say(f"note: {marker} was written before audit folders recorded the threat model's content; its "
+                     "path, options and federation match this run's: the content of this run is recorded now")
+
+    def _remove_orphans(self) -> None:
+        """The temporary files of writes that a killed audit left (`lti.atomic_files`)."""
+        folders = [self.out, *sorted(self.rounds_dir.glob("r*"))] if self.rounds_dir.is_dir() else [self.out]
+        orphans = [orphan for folder in folders for orphan in orphaned_temp_files(folder)]
+        for orphan in orphans:
+            orphan.unlink(missing_ok=True)
+        if orphans:
+            self.say(f"note: removed {len(orphans)} partial file(s) that an interrupted audit left in {self.out}")
 
     def _build(self) -> None:
         from exact.dager import local_step_offsets
         from lti.audit.attacks import LearnedInverter, PointerAttack, RoundAttacks
         from lti.audit.federation import client_pipeline
-        from lti.trainer_cli import instantiate
+        from lti.audit.folder import instantiate_with_config
 
         if not Path(self.options.threat_model).is_file():
             raise ValueError(f"threat_model {self.options.threat_model} is not a file")
         self.say(f"threat model: {self.options.threat_model}")
-        module, data = instantiate(self.options.threat_model, list(self.options.threat_model_args))
+        module, data, self.content = instantiate_with_config(self.options.threat_model, list(self.options.threat_model_args))
         data.prepare_data()
         data.setup("validate")
         self.data = data
         self.server = data.pipeline
+        # The target model's weights with the LoRA adapters every client starts from (before any round).
+        self.model_sha256 = tensors_sha256(self.server.target.state_dict().items())
         fed = self.options.federation
         self.clients = client_pipeline(self.server, fed.batch_size, fed.local_epochs, fed.minibatch_size, fed.lr)
         if data.packing != "blocks":
@@ -140,6 +205,7 @@ class Audit:
         self.ranges = client_ranges(eval_ids.shape[0], self.options.federation.clients)
         aux_ids, _ = data.blocks("auxiliary")
         self.utility_ids = aux_ids[: self.options.utility_sequences]
+        self.client_data_sha256 = tensors_sha256([("evaluation", eval_ids), ("utility", self.utility_ids)])
         learned = None
         self.notes: list[str] = []
         if self.options.attacks.checkpoint:
@@ -194,6 +260,22 @@ class Audit:
             n += 1
         return n
 
+    def _fix(self, r: int) -> str:
+        return f"delete the folder {self._round_dir(r)} to run round {r} (and the rounds after it) again"
+
+    def round_record(self, r: int) -> dict:
+        return read_json(self._round_dir(r) / "round.json", self._fix(r))
+
+    def round_file(self, r: int, name: str) -> dict[str, torch.Tensor]:
+        """One of round r's tensor files, checked against the checksum its round.json recorded (a round
+        recorded before checksums existed is read unchecked, said once)."""
+        sums = self.round_record(r).get("sha256")
+        if sums is None and not getattr(self, "_said_unchecked", False):
+            self._said_unchecked = True
+            self.say(f"warning: the rounds in {self.rounds_dir} were recorded without checksums (an older version): "
+                     "their files are read unchecked")
+        return read_tensors(self._round_dir(r) / name, None if sums is None else sums.get(name), self._fix(r))
+
     def client_data(self, client: int, round_: int) -> dict[str, torch.Tensor]:
         b = self.options.federation.batch_size
         picked = client_batch_indices(self.ranges[client], b, client, round_, self.options.federation.seed)
@@ -225,10 +307,18 @@ class Audit:
         done = self.finished_rounds()
         if done >= fed.rounds:
             return
+        # Rounds recorded after the first missing or unfinished one belong to another sequence of global
+        # models: they are run again from round done + 1, never kept beside (or continued from).
+        later = sorted(p for p in self.rounds_dir.glob("r*") if p.is_dir() and p.name[1:].isdigit() and int(p.name[1:]) > done)
+        for folder in later:
+            shutil.rmtree(folder)
+        if later and any(p.name != f"r{done + 1:03d}" for p in later):
+            self.say(f"note: removed {', '.join(p.name for p in later)} from {self.rounds_dir}: recorded after round "
+                     f"{done + 1}, which is missing or unfinished and runs again")
         if done == 0:
             initial = adapter_state(self.clients)  # every adapter the clients send, in their order
         else:
-            saved = load_file(str(self._round_dir(done) / "after.safetensors"))
+            saved = self.round_file(done, "after.safetensors")
             # safetensors returns its keys sorted ("layers.10" before "layers.2"); Flower's DP mods refuse a
             # reply whose keys are not in the order they were sent: send them in the clients' order.
             initial = {name: saved[name] for name in self.clients.names}
@@ -280,65 +370,132 @@ class Audit:
                       utility_after: float) -> None:
         folder = self._round_dir(r)
         folder.mkdir(parents=True, exist_ok=True)
-        _save_tensors(sent, folder / "sent.safetensors")
-        _save_tensors({f"c{c}/{name}": v for c, state in replies.items() for name, v in state.items()},
-                      folder / "replies.safetensors")
-        _save_tensors(after, folder / "after.safetensors")
-        batches = {f"c{c}": self.client_data(c, r)["input_ids"][0] for c in replies}
-        _save_tensors(batches, folder / "batches.safetensors")
+        tensors = {
+            "sent.safetensors": sent,
+            "replies.safetensors": {f"c{c}/{name}": v for c, state in replies.items() for name, v in state.items()},
+            "after.safetensors": after,
+            "batches.safetensors": {f"c{c}": self.client_data(c, r)["input_ids"][0] for c in replies},
+        }
+        sums = {name: _save_tensors(tensors[name], folder / name) for name in ROUND_FILES}
         record = {"round": r, "clients": sorted(replies), "utility_before": utility_before,
-                  "utility_after": utility_after, "epsilon": epsilon_after(self.options, r)}
-        _write_json(record, folder / "round.json")
+                  "utility_after": utility_after, "epsilon": epsilon_after(self.options, r), "sha256": sums}
+        _write_json(record, folder / "round.json")  # last: the round is whole once it exists
         self.say(f"round {r}: global model's validation loss {record['utility_after']:.4f}")
 
     # ---------------------------------------------------------------- the attacks
+    def attack_options(self) -> tuple[dict, str]:
+        """The attack options a round's scores depend on (all but `rounds`) and their short hash, which
+        names the scores' file: `attacks-<hash>.json`."""
+        chosen = plain(self.options.attacks)
+        chosen.pop("rounds", None)
+        return chosen, canonical_sha256(chosen)[:12]
+
+    def stored_attacks(self, r: int) -> dict | None:
+        """Round r's scores under the current attack options, or None (not attacked with them). A round
+        attacked before the scores were kept per option set has them in `attacks.json`, used when its options match."""
+        chosen, key = self.attack_options()
+        fix = "delete it to attack the round again"
+        path = self._round_dir(r) / f"attacks-{key}.json"
+        if path.exists():
+            return read_json(path, fix)
+        legacy = self._round_dir(r) / "attacks.json"
+        if legacy.exists():
+            stored = read_json(legacy, fix)
+            if stored.get("options") == chosen:
+                return stored
+        return None
+
     def attack_rounds(self) -> None:
         from tqdm.auto import tqdm
 
-        # A round is attacked again when the attack options differ from those its scores were computed with.
-        chosen = _plain(self.options.attacks)
-        chosen.pop("rounds", None)
-        todo = []
-        for r in self.options.attacked_rounds():
-            path = self._round_dir(r) / "attacks.json"
-            if not path.exists() or json.loads(path.read_text()).get("options") != chosen:
-                todo.append(r)
+        chosen, key = self.attack_options()
+        todo = [r for r in self.options.attacked_rounds() if self.stored_attacks(r) is None]
         for r in tqdm(todo, desc="attacking rounds", unit="round", disable=not todo):
             folder = self._round_dir(r)
-            sent = load_file(str(folder / "sent.safetensors"))
-            flat = load_file(str(folder / "replies.safetensors"))
+            sent = self.round_file(r, "sent.safetensors")
+            flat = self.round_file(r, "replies.safetensors")
             replies: dict[int, dict[str, torch.Tensor]] = {}
-            for key, value in flat.items():
-                client, name = key.split("/", 1)
-                replies.setdefault(int(client[1:]), {})[name] = value
-            batches = {int(k[1:]): v for k, v in load_file(str(folder / "batches.safetensors")).items()}
+            for name, value in flat.items():
+                client, parameter = name.split("/", 1)
+                replies.setdefault(int(client[1:]), {})[parameter] = value
+            batches = {int(k[1:]): v for k, v in self.round_file(r, "batches.safetensors").items()}
             start = time.perf_counter()
             results = self.attacks.attack(sent, replies, batches)
             probe = self.attacks.probe(sent, self.probe_ids) if len(self.probe_ids) else {}
+            # A file per set of attack options: scores under other options stay as they were.
             _write_json({"round": r, "options": chosen, "attacks": results, "probe": probe,
-                         "seconds": time.perf_counter() - start}, folder / "attacks.json")
+                         "seconds": time.perf_counter() - start}, folder / f"attacks-{key}.json")
 
     def run(self) -> list[dict]:
-        from lti.audit.report import write_report
+        """Claims the folder (its lock, then its identity), runs the rounds not recorded, attacks the rounds
+        not attacked with these options, writes the report. A start that fails before a round is recorded
+        leaves the folder as it was."""
+        from lti.checkpoint_folder import lock
 
         start = time.perf_counter()
-        self._build()  # a threat model the audit cannot run is refused before anything is written
-        self._claim_folder()
-        self.simulate()
-        self.attack_rounds()
-        records = self.records()
-        write_report(self.out, self.options, records, self.attacks.learned, time.perf_counter() - start, self.notes,
-                     self.probe_baseline, self.attacks.pointer)
-        return records
+        created = not self.out.exists()
+        present = {name: (self.out / name).exists() for name in ("audit.json", "rounds", TEXT_CACHE)}
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+            claim = lock(self.out, _in_use_message)
+        except OSError as error:
+            if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise FolderNotWritable(f"out_dir {self.out} cannot be written ({error.strerror}); choose another "
+                                        "--out_dir") from None
+            raise
+        for note in claim.notes:
+            self.say(note)
+        environment = _point_caches(self.out)
+        started = False
+        try:
+            self._remove_orphans()
+            self._build()  # a threat model the audit cannot run is refused before anything is recorded
+            self._claim_folder()
+            self.simulate()
+            started = True
+            self.attack_rounds()
+            records = self.records()
+            self._report(records, time.perf_counter() - start)
+            return records
+        finally:
+            _restore(environment)
+            claim.release()
+            if not started and self.finished_rounds() == 0:
+                self._leave_as_found(created, present)
+
+    def _leave_as_found(self, created: bool, present: dict[str, bool]) -> None:
+        """Undo a start that recorded no round: a folder this run created is removed, otherwise what it added."""
+        with contextlib.suppress(OSError):
+            if created:
+                shutil.rmtree(self.out)
+                return
+            for name, existed in present.items():
+                path = self.out / name
+                if not existed and path.is_dir():
+                    shutil.rmtree(path)
+                elif not existed:
+                    path.unlink(missing_ok=True)
+
+    def _report(self, records: list[dict], seconds: float) -> None:
+        from lti.audit.report import write_report
+
+        notes = list(self.notes)
+        held = self.finished_rounds()
+        if held > self.options.federation.rounds:
+            notes.append(f"The folder holds {held} rounds; this report shows rounds 1–{self.options.federation.rounds} "
+                         f"(--federation.rounds {self.options.federation.rounds}); a rerun with --federation.rounds "
+                         f"{held} reports them all.")
+            self.say(notes[-1])
+        write_report(self.out, self.options, records, self.attacks.learned, seconds, notes, self.probe_baseline,
+                     self.attacks.pointer)
 
     def records(self) -> list[dict]:
         out, asked = [], set(self.options.attacked_rounds())
         for r in range(1, self.options.federation.rounds + 1):
-            folder = self._round_dir(r)
-            record = json.loads((folder / "round.json").read_text())
-            attacks = folder / "attacks.json"
-            attacked = attacks.exists() and r in asked
-            record.update(json.loads(attacks.read_text()) if attacked else {"attacks": {}, "probe": {}})
+            record = self.round_record(r)
+            record.pop("sha256", None)
+            stored = self.stored_attacks(r) if r in asked else None
+            record.update(stored if stored is not None else {"attacks": {}, "probe": {}})
             record.pop("options", None)
             if "token_acc" in (record.get("probe") or {}):  # a record of an audit before the pointer: the learned inverter's probe
                 record["probe"] = {"learned": record["probe"]}
@@ -346,9 +503,62 @@ class Audit:
         return out
 
 
+def _in_use_message(folder: Path, pid: int | None, host: str | None) -> str:
+    from lti.checkpoint_folder import describe_owner
+
+    return (f"audit folder {folder} is in use by {describe_owner(pid, host)}, a live `lti audit`; wait for it, "
+            "or write elsewhere with --out_dir DIR")
+
+
+#: Environment variables the audit sets for its run (unless the user did): where the corpus keeps copies of
+#: the clients' text, and W&B's staging and cache folders.
+_CACHES = {"LTI_TEXT_CACHE_DIR": TEXT_CACHE, "WANDB_DATA_DIR": "wandb", "WANDB_CACHE_DIR": "wandb/cache"}
+
+
+def _point_caches(out: Path) -> dict[str, str | None]:
+    environment = {variable: os.environ.get(variable) for variable in _CACHES}
+    for variable, sub in _CACHES.items():
+        if not os.environ.get(variable):
+            os.environ[variable] = str((out / sub).absolute())
+    return environment
+
+
+def _restore(environment: dict[str, str | None]) -> None:
+    for variable, value in environment.items():
+        if value is None:
+            os.environ.pop(variable, None)
+        else:
+            os.environ[variable] = value
+
+
+def _difference(previous: dict, current: dict) -> str | None:
+    """What differs between the audit a folder holds (its `audit.json`) and this one, in words, or None.
+    An older `audit.json` (no threat model content) is compared by the threat model's path and options."""
+    if "threat_model_content" in previous:
+        said = first_difference(compared_content(previous["threat_model_content"]), compared_content(current["threat_model_content"]))
+        if said:
+            return f"another threat model: {said}"
+        for key, what in (("model_sha256", "the target model's weights or its initial LoRA adapters"),
+                          ("client_data_sha256", "the clients' token ids (a corpus file changed?)")):
+            if previous.get(key) != current[key]:
+                return (f"another threat model: {what} differ (sha256 {str(previous.get(key))[:12]}… recorded, "
+                        f"{current[key][:12]}… now)")
+    else:
+        for key in ("threat_model", "threat_model_args"):
+            if previous.get(key) != current[key]:
+                return f"another threat model: {key} was {previous.get(key)!r}, now {current[key]!r}"
+    old, new = _same_run(previous), _same_run(current)
+    for key, what in (("federation", "another federation"), ("flower_dp", "other Flower DP settings")):
+        said = first_difference(old.get(key), new.get(key), key)
+        if said:
+            return f"{what}: {said}"
+    return None
+
+
 def _same_run(identity: dict) -> dict:
     """An audit's identity as compared for a resume: option groups completed with the defaults of options
-    added since the folder was written (an older audit.json lacks them), a minibatch of None as all B."""
+    added since the folder was written (an older audit.json lacks them), a minibatch of None as all B, and
+    no round count (rounds can be added)."""
     from dataclasses import asdict
 
     from lti.audit.options import FederationOptions, FlowerDPOptions
@@ -356,16 +566,10 @@ def _same_run(identity: dict) -> dict:
     out = dict(identity)
     for key, defaults in (("federation", FederationOptions()), ("flower_dp", FlowerDPOptions())):
         if isinstance(out.get(key), dict):
-            out[key] = {**asdict(defaults), **out[key]}
+            out[key] = {**plain(asdict(defaults)), **out[key]}
     federation = out.get("federation")
-    if isinstance(federation, dict) and federation.get("minibatch_size") is None:
-        federation["minibatch_size"] = federation.get("batch_size")
+    if isinstance(federation, dict):
+        federation.pop("rounds", None)
+        if federation.get("minibatch_size") is None:
+            federation["minibatch_size"] = federation.get("batch_size")
     return out
-
-
-def _plain(value):
-    from dataclasses import asdict, is_dataclass
-
-    if is_dataclass(value):
-        return asdict(value)
-    return value if not isinstance(value, float) or math.isfinite(value) else str(value)

@@ -25,8 +25,59 @@ from lti.atomic_files import write_text_atomically
 from lti.candidates.decoding import DECODERS
 
 
+def _at_least(args: argparse.Namespace, minimum: int, *names: str) -> None:
+    """Refuses integer options below `minimum` (None: not given, allowed)."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < minimum:
+            raise ValueError(f"--{name} {value} must be >= {minimum}")
+
+
+def _check_build(args: argparse.Namespace) -> None:
+    _at_least(args, 1, "count", "limit", "batch", "shards")
+    _at_least(args, 0, "skip")
+
+
+def _check_fit(args: argparse.Namespace) -> None:
+    _at_least(args, 1, "max_steps", "val_every", "batch_size", "hidden", "layers", "heads")
+    _at_least(args, 0, "holdout")
+    if args.hidden % args.heads:
+        raise ValueError(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
+    if not (math.isfinite(args.dropout) and 0 <= args.dropout < 1):
+        raise ValueError(f"--dropout {args.dropout} must be in [0, 1)")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise ValueError(f"--lr {args.lr} must be finite and > 0")
+    if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
+        raise ValueError(f"--weight_decay {args.weight_decay} must be finite and >= 0")
+
+
+def _check_evaluate(args: argparse.Namespace) -> None:
+    _at_least(args, 1, "tail", "limit", "beam")
+    bad = [w for w in (*args.lm_weight, *args.second_weight) if not (math.isfinite(w) and w >= 0)]
+    if bad:
+        raise ValueError(f"--lm_weight and --second_weight must be finite and >= 0, not {bad[0]}")
+
+
+def _rows_to_evaluate(data, args: argparse.Namespace):
+    """The blocks `--tail` and `--limit` select; a count beyond the files' blocks is refused (it would
+    silently evaluate fewer blocks than asked, or, for --tail, blocks the pointer may have trained on)."""
+    files = ", ".join(args.eval)
+    if args.tail is not None:
+        if args.tail > len(data):
+            raise ValueError(f"--tail {args.tail}: {files} hold(s) {len(data)} blocks")
+        data = data.tail(args.tail)
+    if args.limit is not None:
+        if args.limit > len(data):
+            left = f"the last {args.tail} of {files}" if args.tail is not None else files
+            raise ValueError(f"--limit {args.limit}: {left} hold(s) {len(data)} blocks")
+        data = data.head(args.limit)
+    return data
+
+
 def _build(args: argparse.Namespace) -> None:
     from lti.candidates.evidence_file import build
+
+    _check_build(args)
 
     for path in build(args.config, args.split, args.out, args.count, args.limit, args.overrides, args.batch,
                       args.device, args.shards, args.overwrite, args.skip, args.second_layer):
@@ -36,6 +87,7 @@ def _build(args: argparse.Namespace) -> None:
 def _fit(args: argparse.Namespace, argv: list[str]) -> None:
     from lti.candidates.module import fit
 
+    _check_fit(args)
     print(json.dumps(fit(args, "lti candidates " + " ".join(argv)), indent=2))
 
 
@@ -49,23 +101,15 @@ def _evaluate(args: argparse.Namespace, argv: list[str]) -> None:
     from lti.candidates.weights import load_pointer
     from lti.trainer_cli import instantiate
 
-    if args.tail < 0 or args.limit < 0:
-        raise ValueError("--tail and --limit must be >= 0")
-    bad = [w for w in (*args.lm_weight, *args.second_weight) if not (math.isfinite(w) and w >= 0)]
-    if bad:
-        raise ValueError(f"--lm_weight and --second_weight must be finite and >= 0, not {bad[0]}")
-    data = load(args.eval)
-    if args.tail:
-        data = data.tail(min(args.tail, len(data)))
-    if args.limit:
-        data = data.head(args.limit)
+    _check_evaluate(args)
+    data = _rows_to_evaluate(load(args.eval), args)
     if not len(data):
-        raise ValueError("no blocks to evaluate")
+        raise ValueError(f"no blocks to evaluate in {', '.join(args.eval)}")
     meta = data.metadata
     _, threat = instantiate(meta["config"], json.loads(meta["overrides"]))
     target = threat.pipeline.target
     pointer, trained_on = load_pointer(args.pointer, target.embedding_matrix)
-    check_pointer_fits(data, trained_on, args.tail, args.eval[0])
+    check_pointer_fits(data, trained_on, args.tail or 0, args.eval[0])
     second = None
     if "second_layer" in args.decode:
         if data.second_spaces is None:
@@ -137,8 +181,9 @@ def parser() -> argparse.ArgumentParser:
     e = sub.add_parser("evaluate", help="score a trained pointer on candidate files, decoding rule by rule")
     e.add_argument("--pointer", required=True, help="pointer.safetensors from `lti candidates fit`")
     e.add_argument("--eval", nargs="+", required=True, help="candidate files to score")
-    e.add_argument("--tail", type=int, default=0, help="only the files' last TAIL blocks (a fit's --holdout)")
-    e.add_argument("--limit", type=int, default=0, help="then only the first LIMIT blocks")
+    e.add_argument("--tail", type=int, default=None,
+                   help="only the files' last TAIL blocks (a fit's --holdout; at most the files' blocks)")
+    e.add_argument("--limit", type=int, default=None, help="then only the first LIMIT blocks (at most those left)")
     e.add_argument("--decode", nargs="+", default=["argmax"], choices=DECODERS)
     e.add_argument("--lm_weight", nargs="+", type=float, default=[0.5], help="weights of the global model's log-probability (lm)")
     e.add_argument("--second_weight", nargs="+", type=float, default=[1.0],

@@ -6,11 +6,20 @@ the same candidates each time a block comes round, so the server computes them o
 (`ids`, `scores`, `coefficients`, `truth`, and with `second_layer` each update's second-layer gradient
 `second_spaces` for the `second_layer` decoding rule) with the threat model in its metadata; it is
 written whole and renamed into place. `load` refuses files of different threat models or candidate counts.
+
+A file proves what it holds: its metadata records a SHA-256 digest of every tensor (`checksums`, the
+algorithm of the observation caches' checksums, `datamodules.cache_folder`; per tensor, since the
+digests live inside the file), checked on every load; a file written before them is read with one
+warning. Loading also checks what the readers index with: `ids` and `truth` within the vocabulary,
+scores and coefficients finite, the shapes the metadata gives. Every refusal is one line that names the
+file (and the way out: rebuild it with `lti candidates build ... --overwrite`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +33,11 @@ from tqdm.auto import tqdm
 from exact.span_evidence import CandidateEvidence, SecondLayerEvidence, SpanEvidence
 from lti.atomic_files import atomic_writer
 
+log = logging.getLogger(__name__)
+
 FORMAT = "lti-candidates-1"
+#: The tensors' digests: SHA-256 cut to 128 bits, as the observation caches' chunks.
+CHECKSUM_ALGORITHM = "sha256-128"
 #: Metadata that must agree between the files one run reads.
 SHARED = ("format", "config", "overrides", "count", "seq_len", "coefficient_width", "vocab_size", "hash_spec")
 
@@ -57,6 +70,81 @@ class EvidenceSet:
         return self.rows(slice(len(self) - count, len(self)))
 
 
+def tensor_checksum(tensor: Tensor) -> str:
+    """The digest of a tensor's dtype, shape and bytes (what `checksums` records per tensor)."""
+    digest = hashlib.sha256(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
+    digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()[:32]
+
+
+def checksums(tensors: dict[str, Tensor]) -> str:
+    """The `checksums` metadata entry of a file holding `tensors` (JSON)."""
+    return json.dumps({"algorithm": CHECKSUM_ALGORITHM, "tensors": {k: tensor_checksum(v) for k, v in sorted(tensors.items())}})
+
+
+def _rebuild(path: str | Path, metadata: dict) -> str:
+    config, split = metadata.get("config", "CONFIG"), metadata.get("split", "SPLIT")
+    return f"rebuild it with `lti candidates build --config {config} --split {split} ... --out {path} --overwrite`"
+
+
+def _check_checksums(path: str | Path, metadata: dict, tensors: dict[str, Tensor]) -> None:
+    """Refuses a file whose tensors differ from the digests recorded when it was written (one line); a file
+    written before checksums existed is read with a warning."""
+    name = f"candidate evidence file {path}"
+    if "checksums" not in metadata:
+        log.warning(f"{name} has no checksums (written by an older version): read unverified; {_rebuild(path, metadata)} "
+                    "to add them")
+        return
+    try:
+        recorded = json.loads(metadata["checksums"])
+        algorithm, digests = recorded["algorithm"], recorded["tensors"]
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{name} has unreadable checksums ({type(error).__name__}); {_rebuild(path, metadata)}") from None
+    if algorithm != CHECKSUM_ALGORITHM:
+        raise ValueError(f"{name} has checksums of an unknown kind ({algorithm!r}); {_rebuild(path, metadata)}")
+    for key, tensor in tensors.items():
+        if key not in digests:
+            raise ValueError(f"{name} holds a tensor {key!r} its checksums do not list; {_rebuild(path, metadata)}")
+        if tensor_checksum(tensor) != digests[key]:
+            raise ValueError(f"{name}: tensor {key!r} does not match its checksum (changed or damaged after it was "
+                             f"written); {_rebuild(path, metadata)}")
+    missing = sorted(set(digests) - set(tensors))
+    if missing:
+        raise ValueError(f"{name} lacks the tensor(s) {', '.join(missing)} its checksums list; {_rebuild(path, metadata)}")
+
+
+def _check_values(path: str | Path, metadata: dict, tensors: dict[str, Tensor]) -> None:
+    """Refuses tensors the readers would index or score wrongly: shapes other than the metadata's, token
+    ids outside the vocabulary, scores or coefficients that are not finite (one line naming the tensor)."""
+    name = f"candidate evidence file {path}"
+    try:
+        vocab, count, seq_len, width = (int(metadata[k]) for k in ("vocab_size", "count", "seq_len", "coefficient_width"))
+    except (KeyError, ValueError) as error:
+        raise ValueError(f"{name} has unreadable metadata ({type(error).__name__}: {error}); {_rebuild(path, metadata)}") from None
+    rows = tensors["ids"].shape[0]
+    shapes = {"ids": (rows, count), "scores": (rows, count), "coefficients": (rows, count, width), "truth": (rows, seq_len)}
+    for key, shape in shapes.items():
+        if tuple(tensors[key].shape) != shape:
+            raise ValueError(f"{name}: tensor {key!r} has shape {tuple(tensors[key].shape)}, its metadata says {shape}; "
+                             f"{_rebuild(path, metadata)}")
+    if "second_spaces" in tensors and (tensors["second_spaces"].dim() != 3 or tensors["second_spaces"].shape[0] != rows):
+        raise ValueError(f"{name}: tensor 'second_spaces' has shape {tuple(tensors['second_spaces'].shape)}, not one "
+                         f"(d, width) matrix per row of its {rows}; {_rebuild(path, metadata)}")
+    for key in ("ids", "truth"):
+        tensor = tensors[key]
+        if tensor.is_floating_point() or tensor.is_complex():
+            raise ValueError(f"{name}: tensor {key!r} holds {tensor.dtype}, not token ids; {_rebuild(path, metadata)}")
+        if tensor.numel() and (int(tensor.min()) < 0 or int(tensor.max()) >= vocab):
+            bad = int(tensor.min()) if int(tensor.min()) < 0 else int(tensor.max())
+            raise ValueError(f"{name}: tensor {key!r} holds token id {bad}, outside the vocabulary [0, {vocab}); "
+                             f"{_rebuild(path, metadata)}")
+    for key in ("scores", "coefficients", "second_spaces"):
+        if key in tensors and not bool(torch.isfinite(tensors[key]).all()):
+            bad = int((~torch.isfinite(tensors[key])).sum())
+            raise ValueError(f"{name}: tensor {key!r} holds {bad} values that are not finite (nan or inf); "
+                             f"{_rebuild(path, metadata)}")
+
+
 def shard_paths(out: str | Path, shards: int) -> list[Path]:
     out = Path(out)
     if out.suffix != ".safetensors":
@@ -79,6 +167,9 @@ def build(config: str, split: str, out: str | Path, count: int = 32, limit: int 
         raise ValueError(f"--shards {shards} must be >= 1")
     if skip < 0:
         raise ValueError(f"--skip {skip} must be >= 0")
+    for option, value in (("count", count), ("batch", batch), ("limit", limit)):
+        if value is not None and value < 1:
+            raise ValueError(f"--{option} {value} must be >= 1")
     paths = shard_paths(out, shards)
     existing = [p for p in paths if p.exists()]
     if existing and not overwrite:
@@ -94,7 +185,11 @@ def build(config: str, split: str, out: str | Path, count: int = 32, limit: int 
         raise ValueError(f"--skip {skip}: the {split} split has {len(blocks)} blocks")
     blocks, mask = blocks[skip:], mask[skip:]
     if limit is not None:
+        if limit > len(blocks):  # else fewer blocks than asked, silently
+            raise ValueError(f"--limit {limit}: the {split} split has {len(blocks)} blocks from block {skip} on")
         blocks, mask = blocks[:limit], mask[:limit]
+    if shards > len(blocks):
+        raise ValueError(f"--shards {shards}: more files than the {len(blocks)} blocks to write")
     if not bool(mask.all()):
         raise ValueError(f"the {split} split has padded blocks; candidate evidence needs full blocks")
     evidence = SpanEvidence(pipeline.target, list(pipeline.names), data.seq_len, data.seq_len)
@@ -121,8 +216,9 @@ def build(config: str, split: str, out: str | Path, count: int = 32, limit: int 
     for path, index in zip(paths, torch.arange(len(blocks)).tensor_split(len(paths))):
         path.parent.mkdir(parents=True, exist_ok=True)
         where = {"first_block": str(skip + int(index[0]) if len(index) else skip)}  # this file's first block in the split
+        shard = {k: v[index].contiguous() for k, v in tensors.items()}
         with atomic_writer(path) as f:
-            f.write(save({k: v[index].contiguous() for k, v in tensors.items()}, metadata={**metadata, **where}))
+            f.write(save(shard, metadata={**metadata, **where, "checksums": checksums(shard)}))
     return paths
 
 
@@ -147,6 +243,8 @@ def load(paths: Sequence[str | Path]) -> EvidenceSet:
         missing = [k for k in ("ids", "scores", "coefficients", "truth") if k not in tensors]
         if missing:
             raise ValueError(f"{path} lacks the tensor(s) {', '.join(missing)} of a candidate evidence file")
+        _check_checksums(path, metadata, tensors)
+        _check_values(path, metadata, tensors)
         first = first or (path, metadata)
         differ = [k for k in (*SHARED, "split") if metadata.get(k) != first[1].get(k)]
         if differ:
@@ -157,7 +255,8 @@ def load(paths: Sequence[str | Path]) -> EvidenceSet:
     # what every file has (the second-layer gradients, the block indices of files that record them)
     cat = {k: torch.cat([p[k] for p in parts]) for k in parts[0] if all(k in p for p in parts)}
     return EvidenceSet(cat["ids"].long(), cat["scores"].float(), cat["coefficients"], cat["truth"].long(),
-                       {k: v for k, v in first[1].items() if k != "first_block"}, cat.get("blocks"), cat.get("second_spaces"))
+                       {k: v for k, v in first[1].items() if k not in ("first_block", "checksums")},
+                       cat.get("blocks"), cat.get("second_spaces"))
 
 
 def check_pointer_fits(data: EvidenceSet, trained_on: dict, tail: int, name: str) -> None:

@@ -218,7 +218,8 @@ def test_an_interrupted_audit_resumes_with_the_same_rounds(tiny_audit, tmp_path)
     copy = tmp_path / "audit"
     shutil.copytree(out, copy)
     shutil.rmtree(copy / "rounds" / "r002")  # stopped during round 2
-    (copy / "rounds" / "r001" / "attacks.json").unlink()  # and before round 1 was attacked
+    for scores in (copy / "rounds" / "r001").glob("attacks-*.json"):
+        scores.unlink()  # and before round 1 was attacked
     kept = (copy / "rounds" / "r001" / "replies.safetensors").stat().st_mtime_ns
     resumed = Audit(AuditOptions(**{**vars(options), "out_dir": str(copy)}), say=lambda *_: None).run()
     assert (copy / "rounds" / "r001" / "replies.safetensors").stat().st_mtime_ns == kept
@@ -490,7 +491,8 @@ def test_a_rerun_with_other_attack_options_attacks_again(tiny_audit, tmp_path):
     again = Audit(AuditOptions(**{**vars(options), "out_dir": str(copy),
                                   "attacks": AttackOptions(dager=False, probe_sequences=0)}), say=lambda *_: None).run()
     assert all(r["attacks"] == {} for r in again)  # the stored DAGER scores are not reported as this run's
-    assert json.loads((copy / "rounds" / "r001" / "attacks.json").read_text())["options"]["dager"] is False
+    files = sorted((copy / "rounds" / "r001").glob("attacks-*.json"))
+    assert sorted(json.loads(f.read_text())["options"]["dager"] for f in files) == [False, True]  # side by side
 
 
 @pytest.mark.parametrize("config", sorted(str(p) for p in (REPO / "configs" / "audit").glob("*.yaml")

@@ -257,9 +257,9 @@ def test_evaluate_scores_each_rule_and_refuses_candidates_of_another_threat_mode
     assert [(r["decode"], r["lm_weight"]) for r in rows] == [("argmax", None), ("assign", None), ("lm", 0.0), ("lm", 1.0)]
     assert all(r["blocks"] == 8 and r["split"] == "auxiliary" for r in rows)
     assert rows[2]["token_acc"] == rows[0]["token_acc"]  # the beam without the LM is the argmax
-    for tail in ("0", "9"):  # the whole training split, or more than its held-out blocks: refused
+    for tail in ([], ["--tail", "9"]):  # the whole training split, or more than its held-out blocks: refused
         with pytest.raises(SystemExit) as error:
-            main(["candidates", "evaluate", "--pointer", pointer, "--eval", str(tmp_path / "aux.safetensors"), "--tail", tail])
+            main(["candidates", "evaluate", "--pointer", pointer, "--eval", str(tmp_path / "aux.safetensors"), *tail])
         assert error.value.code == 2 and "the pointer's training split" in capsys.readouterr().err
     build(TINY, "evaluation", tmp_path / "other.safetensors", count=6, limit=4)
     with pytest.raises(SystemExit) as error:
