@@ -15,6 +15,7 @@ from pathlib import Path
 from jsonargparse import ArgumentError
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -28,6 +29,7 @@ import datamodules.targets.vision  # noqa: F401,E402
 import datamodules.text  # noqa: F401,E402
 import datamodules.vision  # noqa: F401,E402
 import lti.inverters  # noqa: F401,E402
+from datamodules.text.corpora import TEXT_CACHE_VARIABLE
 from exact.callbacks import ExactAttackCallback
 from lti.atomic_files import WriteFailed
 from lti.checkpoint_files import LOAD_ERRORS, check_checkpoint, damaged, load_checked, save_checkpoint
@@ -83,6 +85,22 @@ def keep_wandb_files_in_run_folder(loggers) -> None:
             for variable, sub in WANDB_FOLDERS.items():
                 os.environ.setdefault(variable, str(folder / sub) if sub else str(folder))
             return
+
+
+#: The folder under the trainer's `default_root_dir` for the corpus' copies of the text it reads
+#: (`$LTI_TEXT_CACHE_DIR`, datamodules/text/corpora.py), as `lti audit` keeps them in its `--out_dir`.
+TEXT_CACHE_FOLDER = "corpus_cache"
+
+
+def keep_corpus_text_in_run_folder(trainer: Trainer) -> None:
+    """The embedded corpus writes its splits as text files under `~/.cache/lti/corpora` and `datasets` keeps
+    an Arrow copy of every local or embedded file (and of its tokenisation) in `~/.cache/huggingface/datasets`:
+    copies of the clients' (evaluation) text outside the run. Pointed to `<default_root_dir>/corpus_cache`
+    before the DataModule prepares its data, they stay with the run. A folder the user set is kept; a remote
+    `default_root_dir` (s3://…) leaves the usual caches."""
+    root = trainer.default_root_dir
+    if not os.environ.get(TEXT_CACHE_VARIABLE) and _is_local_file_protocol(root):
+        os.environ[TEXT_CACHE_VARIABLE] = str(Path(root).absolute() / TEXT_CACHE_FOLDER)
 
 
 def check_trainer_values(trainer: Trainer) -> None:
@@ -173,6 +191,8 @@ class LTICLI(LightningCLI):
         use_step_progress_bar(trainer, configured if isinstance(configured, list) else [configured])
         quiet_wandb(trainer.loggers)
         keep_wandb_files_in_run_folder(trainer.loggers)
+        if self.subcommand is not None:  # a run, not `instantiate` (the audit and `lti candidates` choose their own)
+            keep_corpus_text_in_run_folder(trainer)
         use_atomic_checkpoints(trainer)
         check_trainer_values(trainer)
         return trainer
@@ -488,7 +508,7 @@ def run(args: list[str] | None = None) -> None:
     # A checkpoint folder is claimed before a fit (lti.checkpoint_folder: its lock file is in it, an earlier
     # run's checkpoints are refused), so Lightning's warning about a folder that is not empty says nothing.
     warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
-    environment = {variable: os.environ.get(variable) for variable in WANDB_FOLDERS}
+    environment = {variable: os.environ.get(variable) for variable in (*WANDB_FOLDERS, TEXT_CACHE_VARIABLE)}
     try:
         LTICLI(
             LightningModule,
@@ -500,7 +520,8 @@ def run(args: list[str] | None = None) -> None:
             args=args,
             parser_kwargs={"default_env": False, "exit_on_error": False},
         )
-    finally:  # W&B's folders were this run's (`keep_wandb_files_in_run_folder`): the next run in this process sets its own
+    finally:  # W&B's and the corpus text's folders were this run's (`keep_wandb_files_in_run_folder`,
+        # `keep_corpus_text_in_run_folder`): the next run in this process sets its own
         for variable, value in environment.items():
             if value is None:
                 os.environ.pop(variable, None)

@@ -5,8 +5,10 @@ loaded through `datasets` so hub names and local files share its caching.
 Where copies of the text go: the embedded corpus writes its splits as text files under
 `$LTI_CACHE_DIR/corpora`, and `datasets` keeps an Arrow copy of every local or embedded file (and of its
 tokenisation) in its cache (`~/.cache/huggingface/datasets`). With `$LTI_TEXT_CACHE_DIR` set, both go
-there instead (`corpora/`, `datasets/`): `lti audit` points it into its run folder, so the clients' text
-stays there. Hub datasets (`HubCorpus`) stay in the `datasets` cache: public text, downloaded once.
+there instead (`corpora/`, `datasets/`): `lti audit` points it into its `--out_dir`, and `lti fit`,
+`validate`, `test` and `predict` to `<trainer.default_root_dir>/corpus_cache` (unless set), so the clients'
+text stays in the run folder. Hub datasets (`HubCorpus`) stay in the `datasets` cache: public text,
+downloaded once.
 """
 
 from __future__ import annotations

@@ -193,3 +193,40 @@ def test_a_logged_wandb_table_leaves_no_client_text_outside_the_run_folder(make_
     staged = list((run / "wandb" / "artifacts" / "staging").iterdir())
     assert len(staged) >= 2 and all(client_text.encode() in p.read_bytes() for p in staged)  # one per logged table
     assert not (home / ".local" / "share" / "wandb").exists()
+
+
+def test_a_fit_keeps_the_corpus_copies_of_client_text_in_the_run_folder(make_config, tmp_path):
+    """`datasets` keeps an Arrow copy of a LocalCorpus file (and of its tokenisation) in
+    ~/.cache/huggingface/datasets, the embedded corpus its split files in ~/.cache/lti/corpora: `lti fit`
+    points `$LTI_TEXT_CACHE_DIR` to `<default_root_dir>/corpus_cache`, as `lti audit` does. HOME, the XDG
+    and HF caches, the LTI cache and TMPDIR are empty folders; after a fit none of them holds client text."""
+    run = tmp_path / "run"  # the tiny config's trainer.default_root_dir
+    outside = {name: tmp_path / name for name in ("home", "xdg", "hf", "lti", "tmpdir")}
+    for folder in outside.values():
+        folder.mkdir()
+    env = {k: v for k, v in _env().items() if not k.startswith(("HF_", "XDG_", "LTI_", "WANDB_"))}
+    env.update(HOME=str(outside["home"]), XDG_CACHE_HOME=str(outside["xdg"]), HF_HOME=str(outside["hf"]),
+               LTI_CACHE_DIR=str(outside["lti"]), TMPDIR=str(outside["tmpdir"]), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    config = make_config(**{"trainer.max_steps": 2, "trainer.val_check_interval": 2})
+    proc = subprocess.run([sys.executable, "-m", "lti.cli", "fit", "--config", str(config)], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    client_text = [line.encode() for line in EVAL_LINES]
+
+    def holding_client_text(folder: Path) -> list[str]:
+        return [str(p) for p in folder.rglob("*") if p.is_file() and any(t in p.read_bytes() for t in client_text)]
+
+    assert {name: holding_client_text(folder) for name, folder in outside.items()} == {name: [] for name in outside}
+    assert holding_client_text(run / "corpus_cache" / "datasets")  # the Arrow copy, where the run writes
+
+
+def test_a_text_cache_folder_the_user_set_is_kept_and_the_environment_restored_after_the_run(make_config, tmp_path,
+                                                                                            monkeypatch):
+    mine = tmp_path / "mine"
+    monkeypatch.setenv("LTI_TEXT_CACHE_DIR", str(mine))
+    main(["fit", "--config", str(make_config(**{"trainer.max_steps": 2, "trainer.val_check_interval": 2}))])
+    assert os.environ["LTI_TEXT_CACHE_DIR"] == str(mine)
+    assert (mine / "datasets").is_dir() and not (tmp_path / "run" / "corpus_cache").exists()
+    monkeypatch.delenv("LTI_TEXT_CACHE_DIR")
+    main(["test", "--config", str(make_config()), "--ckpt_path", str(tmp_path / "ckpt" / "last.ckpt")])
+    assert (tmp_path / "run" / "corpus_cache" / "datasets").is_dir() and "LTI_TEXT_CACHE_DIR" not in os.environ
