@@ -128,13 +128,15 @@ class RoundAttacks:
 
     def __init__(self, pipeline: UpdatePipeline, decode: Callable[[list[int]], str], seq_len: int, lr: float,
                  dager: bool, learned: LearnedInverter | None, samples: int, pointer: PointerAttack | None = None,
-                 steps: int = 1, trajectory: tuple[float, ...] = ()) -> None:
+                 steps: int = 1, trajectory: tuple[float, ...] = (), batched=None) -> None:
         self.pipeline, self.decode, self.seq_len, self.lr, self.steps = pipeline, decode, seq_len, lr, steps
         #: DAGER's second-layer test also at w - s * u for the offsets s of the clients' local steps
         #: (`exact.dager.local_step_offsets` of the clients' protocol; () for one step)
         self.trajectory = tuple(trajectory)
         self.dager = Dager() if dager else None
         self.learned, self.pointer = learned, pointer
+        #: `exact.batched.BatchedLoRA`, or None
+        self.batched = batched
         self.samples = samples
 
     def attack(self, sent: dict[str, Tensor], replies: dict[int, dict[str, Tensor]],
@@ -164,6 +166,23 @@ class RoundAttacks:
                         tally.diagnostics.setdefault(key, []).append(result.diagnostics[key])
                 if "reason" in result.diagnostics:
                     tally.diagnostics.setdefault("reasons", set()).add(str(result.diagnostics["reason"]))
+            if self.batched is not None:
+                start = time.perf_counter()
+                split = {name: grads[0].double() for name, grads in self.pipeline.split(update[None]).items()}
+                # The least-squares check refits a FedSGD update by the sequences' own updates; a FedAvg
+                # client's mean gradient along its path is not such a combination.
+                simulate = self._per_sequence if self.steps == 1 else None
+                found = self.batched.attack(split, ids.shape[0], self.seq_len, simulate, update)
+                seconds["batched"] = seconds.get("batched", 0.0) + time.perf_counter() - start
+                tally = tallies.setdefault("batched", Tally())
+                tally.add(score_batch(found.sequences, ids, None, self.decode, found.certified), client, keep)
+                visible = set(ids[:, :-1].flatten().tolist())
+                tally.diagnostics.setdefault("bag_recall", []).append(len(visible & set(found.bag)) / max(1, len(visible)))
+                tally.diagnostics.setdefault("bag_size", []).append(len(found.bag))
+                if found.residual is not None:
+                    tally.diagnostics.setdefault("residual", []).append(found.residual)
+                tally.modes["certified" if found.certified else "best effort"] = (
+                    tally.modes.get("certified" if found.certified else "best effort", 0) + 1)
             if self.learned is not None and self.learned.sequences == ids.shape[0]:
                 features = self.pipeline.hasher(update[None])
                 tokens = self.learned.predict(features)[0].view(ids.shape[0], -1).tolist()
@@ -183,6 +202,11 @@ class RoundAttacks:
             if name in seconds:
                 out[name]["seconds_per_update"] = seconds[name] / max(1, len(replies))
         return out
+
+    def _per_sequence(self, sequences: list[list[int]]) -> Tensor:
+        """(B, D): the update each sequence alone gives at this round's weights (the server's simulation)."""
+        ids = torch.tensor(sequences, dtype=torch.long)[:, None]  # B updates of one sequence each
+        return self.pipeline({"input_ids": ids}, keep_update=True).update
 
     def probed(self) -> dict[str, Callable]:
         """{name: predict(observed updates) -> (U, L) token ids} of the attacks the staleness probe runs:

@@ -103,6 +103,12 @@ class AttackOptions:
     Args:
         rounds: Rounds whose client updates are attacked (1-based); None: every round; []: none (only the federation runs).
         dager: DAGER on every attacked update (the adapters' lora_A span test).
+        batched: The batched LoRA attack on every attacked update (`exact.batched`): whitened bag recovery, a
+            joint search of the B sequences scored by every layer's whitened span test and the global model's
+            prior, and a least-squares check of the result against the update. Needs no trained checkpoint.
+        batched_beam: Prefixes the batched attack keeps per sequence.
+        batched_lm_weight: Weight of the global model's next-token log-probability in its search.
+        whitening_blocks: Auxiliary (server) blocks the batched attack's whitening statistics are computed on.
         checkpoint: The server's learned inverter (an `lti fit` checkpoint trained under `threat_model`); None: no learned attack.
         pointer: The candidate pointer (`pointer.safetensors` of `lti candidates fit`, trained on candidates of
             `threat_model`): the span test's bag of tokens, ordered by a learned network; None: not run.
@@ -117,6 +123,10 @@ class AttackOptions:
 
     rounds: list[int] | None = None
     dager: bool = True
+    batched: bool = True
+    batched_beam: int = 4
+    batched_lm_weight: float = 0.5
+    whitening_blocks: int = 256
     checkpoint: str | None = None
     pointer: str | None = None
     pointer_decode: str = "argmax"
@@ -135,6 +145,12 @@ class AttackOptions:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"attacks.{name}={value} must be finite and >= 0")
+        if self.batched_beam < 1:
+            raise ValueError(f"attacks.batched_beam={self.batched_beam} must be >= 1")
+        if not (math.isfinite(self.batched_lm_weight) and self.batched_lm_weight >= 0):
+            raise ValueError(f"attacks.batched_lm_weight={self.batched_lm_weight} must be finite and >= 0")
+        if self.whitening_blocks < 1:
+            raise ValueError(f"attacks.whitening_blocks={self.whitening_blocks} must be >= 1")
         if self.probe_sequences < 0:
             raise ValueError(f"attacks.probe_sequences={self.probe_sequences} must be >= 0")
         if self.samples < 0:

@@ -9,7 +9,8 @@ from pathlib import Path
 from lti.atomic_files import atomic_writer, write_text_atomically
 from lti.audit.options import AuditOptions
 
-ATTACK_NAMES = {"dager": "DAGER (lora_A span test)", "learned": "learned inverter (LTI)",
+ATTACK_NAMES = {"dager": "DAGER (lora_A span test)",
+                "batched": "batched LoRA attack (whitened bag, all-layer span search)", "learned": "learned inverter (LTI)",
                 "pointer": "candidate pointer (span bag, learned order)"}
 
 
@@ -141,6 +142,12 @@ def _how(scores: dict | None) -> str:
     ranks = scores.get("rank1")
     if ranks and scores.get("dim"):
         modes += f"; layer-1 span rank {min(ranks)}–{max(ranks)} of {scores['dim'][0]}"
+    recall = scores.get("bag_recall")
+    if recall:
+        modes += f"; bag recall {100 * sum(recall) / len(recall):.0f}% ({min(scores['bag_size'])}–{max(scores['bag_size'])} tokens)"
+    residual = scores.get("residual")
+    if residual:
+        modes += f"; refit residual {min(residual):.1e}–{max(residual):.1e}"
     return modes
 
 

@@ -231,9 +231,13 @@ class Audit:
             self.notes.append(f"The clients run FedAvg: {fed.local_steps()} local SGD steps (lr {fed.lr}) per round; the "
                               "server attacks their mean gradient (w - returned) / (steps * lr), DAGER also along the "
                               "clients' path. The staleness probe simulates the threat model's one-step updates.")
+        batched = None
+        if self.options.attacks.batched:
+            batched = self._batched_attack(aux_ids)
         self.attacks = RoundAttacks(self.server, lambda t: data.tokenizer.decode(t), data.seq_len,
                                     fed.lr, self.options.attacks.dager, learned, self.options.attacks.samples, pointer,
-                                    self.clients.client.local_steps(), local_step_offsets(self.clients.client.local))
+                                    self.clients.client.local_steps(), local_step_offsets(self.clients.client.local),
+                                    batched)
         # Spread over the whole split, so over every client's documents.
         probe = min(self.options.attacks.probe_sequences, eval_ids.shape[0])
         self.probe_ids = eval_ids[torch.linspace(0, eval_ids.shape[0] - 1, probe).long()] if probe else eval_ids[:0]
@@ -248,6 +252,20 @@ class Audit:
                               f"{100 * self.probe_baseline:.1f}% on them (the baseline of the probe column).")
         for note in self.notes:
             self.say(note)
+
+    def _batched_attack(self, aux_ids: torch.Tensor):
+        """The batched LoRA attack, its whitening computed on the server's auxiliary text (cached in the run
+        folder: server data only, keyed by the global model's fingerprint)."""
+        from datamodules.federated.pipeline import target_fingerprint
+        from exact.batched import BatchedLoRA, BatchedOptions, SiteWhitening, adapter_sites
+
+        attacks = self.options.attacks
+        sites = adapter_sites(list(self.server.names))
+        blocks = aux_ids[: attacks.whitening_blocks]
+        whitening = SiteWhitening.load_or_fit(None, self.server.target, sites, blocks,
+                                              target_fingerprint(self.server.target), say=self.say)
+        options = BatchedOptions(lm_weight=attacks.batched_lm_weight, beam=attacks.batched_beam)
+        return BatchedLoRA(self.server.target, list(self.server.names), whitening, options)
 
     # ---------------------------------------------------------------- the federation
     def _round_dir(self, r: int) -> Path:

@@ -1,0 +1,153 @@
+"""The batched LoRA attack: bag recovery, the joint all-site search, and the least-squares check, on one
+update of B sequences (`exact.batched`'s parts put together). Plain PyTorch.
+
+`BatchedLoRA(target, names, whitening).attack(update, batch_size, length)` returns the B sequences, each
+token's margin, the bag and, when a `simulate` function is given (the server re-simulating the update of
+each recovered sequence alone, (B, D) flat), the check: the update refitted as a combination of the
+sequences' own updates by least squares. A relative residual near zero certifies the batch (float32
+weights leave about 1e-6); a large one says the reconstruction is not the batch, and each sequence's
+coefficient (1/B when it is right) says which are doubtful.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from exact.batched.bag import somp
+from exact.batched.search import SpanScorer, grow_sequences, likeliest_labels, refine_sequences
+from exact.batched.sites import adapter_sites
+from exact.batched.whitening import SiteWhitening, vocabulary_inputs
+from exact.option_group import OptionGroup
+
+#: A refit leaving less than this fraction of the update's norm certifies the batch.
+CERTIFY_RESIDUAL = 1e-3
+
+
+@dataclass(frozen=True)
+class BatchedOptions(OptionGroup):
+    """The batched LoRA attack (bag recovery and the all-site span search).
+
+    Args:
+        picks_per_sequence: Bag recovery stops after B times this many tokens at most.
+        tolerance: ...or once the residual energy of the first site's rows falls below this fraction.
+        lm_weight: Weight of the global model's next-token log-probability in the search.
+        beam: Prefixes kept per sequence.
+        refine: Passes of coordinate-wise refinement: each sequence grown again with the others' inputs known.
+        label_candidates: The last token of each sequence (a label, never an input) is chosen among the global
+            model's this many likeliest by the least-squares refit of the update (1: the likeliest).
+    """
+
+    picks_per_sequence: int = 16
+    tolerance: float = 1e-6
+    lm_weight: float = 0.5
+    beam: int = 4
+    label_candidates: int = 16
+    refine: int = 1
+
+    def _check(self) -> None:
+        if self.picks_per_sequence < 1:
+            raise ValueError(f"picks_per_sequence={self.picks_per_sequence} must be >= 1")
+        if not (0 < self.tolerance < 1):
+            raise ValueError(f"tolerance={self.tolerance} must be in (0, 1)")
+        if not (math.isfinite(self.lm_weight) and self.lm_weight >= 0):
+            raise ValueError(f"lm_weight={self.lm_weight} must be finite and >= 0")
+        if self.beam < 1:
+            raise ValueError(f"beam={self.beam} must be >= 1")
+        if self.refine < 0:
+            raise ValueError(f"refine={self.refine} must be >= 0")
+        if self.label_candidates < 1:
+            raise ValueError(f"label_candidates={self.label_candidates} must be >= 1")
+
+
+@dataclass
+class BatchedResult:
+    sequences: list[list[int]]
+    margins: list[list[float]]
+    bag: list[int]
+    residual: float | None = None  #: the least-squares check's relative residual (None: not checked)
+    coefficients: list[float] = field(default_factory=list)
+
+    @property
+    def certified(self) -> bool:
+        return self.residual is not None and self.residual < CERTIFY_RESIDUAL
+
+
+class BatchedLoRA:
+    """The attack bound to a global model with LoRA adapters, its observed names and a whitening."""
+
+    def __init__(self, target: nn.Module, names: list[str], whitening: SiteWhitening,
+                 options: BatchedOptions = BatchedOptions()) -> None:
+        self.target, self.names, self.options = target, list(names), options
+        self.sites = adapter_sites(self.names)
+        if whitening.sites.shape[0] != len(self.sites):
+            raise ValueError(f"the whitening holds {whitening.sites.shape[0]} sites; the model has {len(self.sites)}")
+        self.whitening = whitening
+        self.dictionary = vocabulary_inputs(target) @ whitening.vocabulary
+
+    @torch.no_grad()
+    def attack(self, update: dict[str, Tensor], batch_size: int, length: int,
+               simulate: Callable[[list[list[int]]], Tensor] | None = None, flat: Tensor | None = None) -> BatchedResult:
+        """`update`: {name: gradient} of one client (B sequences of `length` tokens averaged)."""
+        rows = [site.rows(update).double() for site in self.sites]
+        bag = somp(rows[0] @ self.whitening.vocabulary, self.dictionary,
+                   self.options.picks_per_sequence * batch_size, self.options.tolerance).tokens
+        if not bag:
+            return BatchedResult([[0] * length for _ in range(batch_size)], [[0.0] * length] * batch_size, [])
+        scorer = SpanScorer(rows, self.whitening.sites)
+        labels: list[list[int]] = []
+        sequences, margins = grow_sequences(self.target, self.sites, scorer, bag, batch_size, length,
+                                            self.options.lm_weight, beam=self.options.beam,
+                                            label_candidates=self.options.label_candidates, labels=labels)
+        for _ in range(self.options.refine if batch_size > 1 else 0):
+            sequences = refine_sequences(self.target, self.sites, scorer, bag, sequences, self.options.lm_weight,
+                                         self.options.beam)
+            labels = likeliest_labels(self.target, sequences, self.options.label_candidates)
+            for sequence, label in zip(sequences, labels):
+                sequence[-1] = label[0]
+        result = BatchedResult(sequences, margins, bag)
+        if simulate is not None and flat is not None:
+            if self.options.label_candidates > 1 and labels:
+                sequences = refit_labels(flat, simulate, sequences, labels)
+                result.sequences = sequences
+            result.residual, result.coefficients = least_squares_check(flat, simulate(sequences))
+        return result
+
+
+def least_squares_check(update: Tensor, per_sequence: Tensor) -> tuple[float, list[float]]:
+    """Fit the flat update (D,) by the sequences' own updates (B, D): (relative residual, coefficients)."""
+    a = per_sequence.double().T  # (D, B)
+    b = update.double().reshape(-1, 1)
+    coefficients = torch.linalg.lstsq(a, b).solution
+    residual = float((a @ coefficients - b).norm() / b.norm().clamp_min(1e-300))
+    return residual, coefficients.flatten().tolist()
+
+
+def refit_labels(update: Tensor, simulate: Callable[[list[list[int]]], Tensor], sequences: list[list[int]],
+                 labels: list[list[int]]) -> list[list[int]]:
+    """Each sequence's last token chosen among its candidates `labels[i]` by the least-squares refit: one pass
+    over the sequences, each taking the label whose own update leaves the least residual with the others'.
+    The label enters the update only through the last position's loss, which no span test sees."""
+    chosen = [list(s) for s in sequences]
+    trials = [s[:-1] + [c] for s, cands in zip(chosen, labels) for c in cands]
+    simulated = simulate(trials).double()  # (sum of candidates, D)
+    current = simulate(chosen).double()
+    offsets = [0]
+    for cands in labels:
+        offsets.append(offsets[-1] + len(cands))
+    for i, cands in enumerate(labels):
+        best, best_residual = None, float("inf")
+        for j, label in enumerate(cands):
+            rows = current.clone()
+            rows[i] = simulated[offsets[i] + j]
+            residual, _ = least_squares_check(update, rows)
+            if residual < best_residual:
+                best, best_residual = j, residual
+        if best is not None:
+            chosen[i][-1] = cands[best]
+            current[i] = simulated[offsets[i] + best]
+    return chosen

@@ -1,0 +1,90 @@
+"""Where a LoRA update shows its inputs: one *site* per group of adapted projections that read the same
+input (a Llama layer's q/k/v projections all read the normalised hidden state), in model order.
+
+At every site the rows of each adapter's lora_A gradient lie in the span of the inputs of the batch's
+tokens there: for a projection W + s B A, dL/dA = s B^T sum_n delta_n x_n^T. lora_B's gradient has rank r
+and adds nothing to a span test. A site's `rows(update)` stacks its adapters' lora_A gradients (2r x d for
+q and v); `capture(model, ids)` reads its inputs from a forward pass (hooks on the adapted modules).
+Plain PyTorch.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+#: Projections that read one shared input (the attention's normalised hidden state).
+SHARED_INPUT = ("q_proj", "k_proj", "v_proj", "query", "key", "value")
+_LORA_A = re.compile(r"^(?P<module>.+)\.lora_A\.(?P<adapter>[^.]+)\.weight$")
+
+
+@dataclass(frozen=True)
+class Site:
+    """Adapted projections reading one input: the modules (to hook) and their lora_A parameter names."""
+
+    modules: tuple[str, ...]
+    lora_a: tuple[str, ...]
+
+    def rows(self, update: Mapping[str, Tensor]) -> Tensor:
+        """(rows, d): the adapters' lora_A gradients stacked; every row lies in the span of the inputs."""
+        return torch.cat([update[name].reshape(update[name].shape[-2], -1) for name in self.lora_a], dim=0)
+
+
+def adapter_sites(names: list[str]) -> list[Site]:
+    """The sites of the observed parameter names, in the order the model runs them.
+
+    Raises ValueError when no lora_A weight is observed (a model without readable adapters)."""
+    groups: dict[str, list[tuple[str, str]]] = {}
+    order: list[str] = []
+    for name in names:
+        found = _LORA_A.match(name)
+        if found is None:
+            continue
+        module = found["module"]
+        parent, _, leaf = module.rpartition(".")
+        key = parent if leaf in SHARED_INPUT else module
+        if key not in groups:
+            groups[key] = []
+            order.append(key)
+        groups[key].append((module, name))
+    if not groups:
+        raise ValueError("the batched attack reads LoRA adapters' lora_A gradients; the update has none "
+                         "(observe a LoRAClient's adapters)")
+    return [Site(tuple(m for m, _ in groups[k]), tuple(n for _, n in groups[k])) for k in order]
+
+
+def _strip(name: str, prefixes: tuple[str, ...]) -> str:
+    for prefix in prefixes:
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return name
+
+
+@torch.no_grad()
+def capture_site_inputs(model: nn.Module, sites: list[Site], run) -> list[Tensor]:
+    """Run `run()` (a forward of `model`) and return each site's input (..., d) as the model computed it."""
+    modules = dict(model.named_modules())
+    captured: list[Tensor | None] = [None] * len(sites)
+    handles = []
+    try:
+        for i, site in enumerate(sites):
+            module = modules.get(site.modules[0])
+            if module is None:
+                raise ValueError(f"the model has no module {site.modules[0]!r} (adapted module of {site.lora_a[0]!r})")
+
+            def hook(mod, args, kwargs, i=i):
+                captured[i] = (args[0] if args else next(iter(kwargs.values()))).detach()
+
+            handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+        run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    missing = [sites[i].modules[0] for i, x in enumerate(captured) if x is None]
+    if missing:
+        raise ValueError(f"the forward pass never reached {missing[0]!r}")
+    return [x for x in captured if x is not None]

@@ -1,0 +1,180 @@
+"""Bag recovery and the all-site span test of batched LoRA updates, against slow references, on a tiny
+LoRA Llama (d = 64, two layers, q/v adapters of rank 8: 16 rows per site)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from datamodules.federated import FedSGDClient, LoRAClient, UpdatePipeline
+from datamodules.targets import HFCausalLM
+from exact.batched.bag import brute_force_support, somp
+from exact.batched.search import SpanScorer, grow_sequences
+from exact.batched.sites import adapter_sites, capture_site_inputs
+from exact.batched.whitening import SiteWhitening, inverse_sqrt, vocabulary_inputs
+
+VOCAB = 211
+
+
+def pipeline(batch: int) -> UpdatePipeline:
+    torch.manual_seed(0)
+    target = HFCausalLM(architecture="llama", config=dict(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, max_position_embeddings=64))
+    client = LoRAClient(rank=8, target_modules=["q_proj", "v_proj"], seed=0, init_b_std=0.02,
+                        local=FedSGDClient("eval", batch))
+    return UpdatePipeline(target, client=client)
+
+
+def update_of(pipe: UpdatePipeline, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    observed = pipe({"input_ids": ids[None]}, keep_update=True)
+    return {name: grads[0].double() for name, grads in pipe.split(observed.update).items()}
+
+
+def naive_somp(rows: torch.Tensor, atoms: torch.Tensor, picks: int) -> list[int]:
+    """SOMP recomputed from scratch at every pick: least squares on the atoms picked, then correlations."""
+    chosen: list[int] = []
+    normed = atoms / atoms.norm(dim=1, keepdim=True)
+    for _ in range(picks):
+        if chosen:
+            fit = torch.linalg.lstsq(atoms[chosen].T, rows.T).solution
+            residual = rows - (atoms[chosen].T @ fit).T
+        else:
+            residual = rows
+        score = (normed @ residual.T).pow(2).sum(1)
+        score[chosen] = -1
+        chosen.append(int(score.argmax()))
+    return chosen
+
+
+def test_sites_group_q_and_v_of_a_layer_and_refuse_an_update_without_adapters():
+    pipe = pipeline(1)
+    sites = adapter_sites(list(pipe.names))
+    assert len(sites) == 2 and all(len(s.lora_a) == 2 for s in sites)
+    assert sites[0].lora_a[0].startswith("model.model.layers.0.") and sites[1].lora_a[0].startswith("model.model.layers.1.")
+    with pytest.raises(ValueError, match="lora_A"):
+        adapter_sites(["model.model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_every_lora_a_row_lies_in_the_span_of_the_sites_inputs():
+    pipe = pipeline(2)
+    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(1))
+    update = update_of(pipe, ids)
+    sites = adapter_sites(list(pipe.names))
+    lm = pipe.target.model
+    inputs = capture_site_inputs(pipe.target, sites, lambda: lm(ids))
+    for site, h in zip(sites, inputs):
+        basis, _ = torch.linalg.qr(h.reshape(-1, h.shape[-1]).double().T)
+        rows = site.rows(update)
+        outside = rows - (rows @ basis) @ basis.T
+        assert float(outside.norm()) < 1e-5 * float(rows.norm())
+
+
+def test_inverse_sqrt_whitens_and_floors_missing_directions():
+    x = torch.randn(500, 6, dtype=torch.float64) * torch.tensor([10.0, 3, 1, 0.3, 0.1, 1.0], dtype=torch.float64)
+    moment = x.T @ x / 500
+    w = inverse_sqrt(moment)
+    assert torch.allclose(w @ moment @ w, torch.eye(6, dtype=torch.float64), atol=1e-8)
+    singular = torch.diag(torch.tensor([1.0, 0.0], dtype=torch.float64))
+    assert torch.isfinite(inverse_sqrt(singular)).all()
+
+
+def test_incremental_somp_picks_what_the_recomputed_reference_picks():
+    generator = torch.Generator().manual_seed(3)
+    atoms = torch.randn(120, 40, generator=generator, dtype=torch.float64)
+    support = [5, 17, 33, 60, 99, 101]
+    rows = torch.randn(16, len(support), generator=generator, dtype=torch.float64) @ atoms[support]
+    bag = somp(rows, atoms, max_picks=10, tolerance=1e-12)
+    assert bag.tokens == naive_somp(rows, atoms, len(bag.tokens))
+    assert sorted(bag.tokens) == support  # exact recovery: 6 atoms, 16 rows, the residual reaches 0 and it stops
+    assert bag.residuals[-1] < 1e-12 and all(a >= b for a, b in zip(bag.residuals, bag.residuals[1:]))
+
+
+def test_whitened_somp_finds_the_brute_force_support_of_a_tiny_lora_update():
+    pipe = pipeline(1)
+    ids = torch.tensor([[11, 57, 140, 3, 99]])  # four visible tokens (the last is only a label)
+    update = update_of(pipe, ids)
+    sites = adapter_sites(list(pipe.names))
+    x0 = vocabulary_inputs(pipe.target)
+    w = inverse_sqrt(x0.T @ x0 / x0.shape[0])
+    rows = sites[0].rows(update) @ w
+    dictionary = x0 @ w
+    bag = somp(rows, dictionary, max_picks=8, tolerance=1e-8)
+    visible = sorted(set(ids[0, :-1].tolist()))
+    assert sorted(bag.tokens) == visible
+    others = [t for t in range(0, VOCAB, 17) if t not in visible][:10]
+    assert sorted(brute_force_support(rows, dictionary, len(visible), visible + others)) == visible
+
+
+def test_the_whitening_cache_is_reused_and_refuses_another_model(tmp_path):
+    pipe = pipeline(1)
+    sites = adapter_sites(list(pipe.names))
+    aux = torch.randint(0, VOCAB, (16, 6), generator=torch.Generator().manual_seed(2))
+    path = tmp_path / "whitening.safetensors"
+    fitted = SiteWhitening.load_or_fit(path, pipe.target, sites, aux, "fingerprint-a", say=lambda _: None)
+    again = SiteWhitening.load_or_fit(path, pipe.target, sites, aux, "fingerprint-a", say=lambda _: None)
+    assert torch.equal(fitted.sites, again.sites) and torch.equal(fitted.vocabulary, again.vocabulary)
+    assert [p.name for p in tmp_path.iterdir()] == ["whitening.safetensors"]  # no temporary file left
+    with pytest.raises(ValueError, match="another model"):
+        SiteWhitening.load_or_fit(path, pipe.target, sites, aux, "fingerprint-b", say=lambda _: None)
+    path.write_bytes(b"not safetensors")
+    with pytest.raises(ValueError, match="unreadable"):
+        SiteWhitening.load_or_fit(path, pipe.target, sites, aux, "fingerprint-a", say=lambda _: None)
+
+
+def test_the_span_score_ranks_a_true_input_above_the_others_and_deflation_is_a_projection():
+    pipe = pipeline(2)
+    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(4))
+    update = update_of(pipe, ids)
+    sites = adapter_sites(list(pipe.names))
+    aux = torch.randint(0, VOCAB, (32, 6), generator=torch.Generator().manual_seed(5))
+    whitening = SiteWhitening.fit(pipe.target, sites, aux)
+    scorer = SpanScorer([s.rows(update) for s in sites], whitening.sites)
+    lm = pipe.target.model
+    true_inputs = capture_site_inputs(pipe.target, sites, lambda: lm(ids))
+    # Position 0 of sequence 0 against every other token alone at position 0.
+    every = capture_site_inputs(pipe.target, sites, lambda: lm(torch.arange(VOCAB)[:, None]))
+    scores = scorer.score([h[:, 0] for h in every], scorer.bases(None))
+    assert int((scores > scores[int(ids[0, 0])]).sum()) < 3
+    # Deflating by known inputs equals projecting them out by hand (float64 reference).
+    known = [h[:, :2].reshape(-1, h.shape[-1]) for h in true_inputs]
+    bases = scorer.bases(known)
+    for site, (k, rows) in enumerate(bases):
+        z = known[site].double() @ whitening.sites[site]
+        assert float((z.T - k @ (k.T @ z.T)).norm()) < 1e-8 * float(z.norm())
+        assert float((k.T @ rows).abs().max()) < 1e-8
+
+
+def test_the_search_returns_b_sequences_of_the_asked_length_made_of_bag_tokens():
+    pipe = pipeline(2)
+    ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(6))
+    update = update_of(pipe, ids)
+    sites = adapter_sites(list(pipe.names))
+    whitening = SiteWhitening.fit(pipe.target, sites, torch.randint(0, VOCAB, (32, 5)))
+    x0 = vocabulary_inputs(pipe.target)
+    bag = somp(sites[0].rows(update) @ whitening.vocabulary, x0 @ whitening.vocabulary, 16).tokens
+    scorer = SpanScorer([s.rows(update) for s in sites], whitening.sites)
+    sequences, margins = grow_sequences(pipe.target, sites, scorer, bag, 2, 5, lm_weight=0.0, beam=2)
+    assert len(sequences) == 2 and all(len(s) == 5 for s in sequences) and all(len(m) == 5 for m in margins)
+    assert all(t in bag for s in sequences for t in s[:-1])
+    # The two first tokens are the batch's (8 visible tokens < 16 rows: exact at position 0).
+    assert sorted(s[0] for s in sequences) == sorted(ids[:, 0].tolist())
+
+
+def test_the_least_squares_refit_picks_the_true_label_and_certifies_the_true_batch():
+    pipe = pipeline(2)
+    ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(8))
+    single = pipe.with_client(FedSGDClient("eval", 1))
+
+    def simulate(sequences):
+        return single({"input_ids": torch.tensor(sequences)[:, None]}, keep_update=True).update
+
+    flat = pipe({"input_ids": ids[None]}, keep_update=True).update[0]
+    from exact.batched.attack import least_squares_check, refit_labels
+
+    residual, coefficients = least_squares_check(flat, simulate(ids.tolist()))
+    assert residual < 1e-5 and all(abs(c - 0.5) < 1e-4 for c in coefficients)  # the mean of the two
+    wrong = [s[:-1] + [(s[-1] + 1) % VOCAB] for s in ids.tolist()]
+    assert least_squares_check(flat, simulate(wrong))[0] > 1e-3
+    labels = [[(s[-1] + k) % VOCAB for k in (3, 1, 0, 7)] for s in ids.tolist()]
+    assert refit_labels(flat, simulate, wrong, labels) == ids.tolist()
