@@ -150,7 +150,7 @@ def test_a_rerun_with_other_attack_options_adds_its_scores_beside_the_earlier_on
     first = scores_files(copy / "rounds" / "r001")
     assert len(first) == 1
     before = first[0].read_bytes()
-    again = run(replace(opts, attacks=replace(opts.attacks, dager=False)))
+    again = run(replace(opts, attacks=replace(opts.attacks, dager=False, batched=False)))
     assert all(r["attacks"] == {} for r in again)  # the report is this run's: no attack ran
     assert "(not attacked)" in (copy / "report.md").read_text()
     assert first[0].read_bytes() == before  # the earlier scores, byte for byte
