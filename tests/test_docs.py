@@ -1,13 +1,15 @@
 """The documentation's links and commands point at things that exist: every relative markdown link (and
-its #anchor, where it names a heading) in the README, docs/ and benchmarks/, and every `python -m
-benchmarks...` module the docs tell a user to run."""
+its #anchor, where it names a heading) in the README, docs/ (the measured runs under docs/results/
+included), benchmarks/, configs/ and checkpoints/, and every `python -m benchmarks...` module the docs
+tell a user to run."""
 
 import re
 
 import pytest
 from conftest import REPO
 
-PAGES = sorted([REPO / "README.md", *(REPO / "docs").glob("*.md"), *(REPO / "benchmarks").rglob("*.md")])
+PAGES = sorted([REPO / "README.md", *(REPO / "docs").rglob("*.md"), *(REPO / "benchmarks").rglob("*.md"),
+                *(REPO / "configs").rglob("*.md"), REPO / "checkpoints" / "README.md"])
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 MODULE = re.compile(r"python -m (benchmarks(?:\.\w+)+)")
 
@@ -34,7 +36,7 @@ def anchors(page) -> set[str]:
 
 def test_the_pages_are_found():
     names = {p.relative_to(REPO).as_posix() for p in PAGES}
-    assert {"README.md", "docs/README.md", "benchmarks/results/dager_cpu.md"} <= names
+    assert {"README.md", "docs/README.md", "docs/results/README.md", "benchmarks/results/dager_cpu.md"} <= names
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(REPO).as_posix())

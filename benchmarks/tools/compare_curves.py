@@ -2,7 +2,7 @@
 baseline) against training steps, or against training updates seen (`--x samples`, log scale: runs of
 other batch sizes on one axis).
 
-    python -m benchmarks.tools.compare_curves --out docs/paper_reproduction/sequences --name update_size \
+    python -m benchmarks.tools.compare_curves --out docs/results/paper_reproduction/sequences --name update_size \
         --curve "1 sequence" runs/reproduction/lti/curve.csv \
         --curve "2 sequences" runs/reproduction/lti_sequences_2/curve.csv \
         --curve "4 sequences" runs/reproduction/lti_sequences_4/curve.csv

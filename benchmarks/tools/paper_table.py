@@ -1,6 +1,6 @@
 """Table 2 of the LTI paper next to ours, from the learning-curve CSVs of `lti fit` runs.
 
-    python -m benchmarks.tools.paper_table --out docs/paper_reproduction \
+    python -m benchmarks.tools.paper_table --out docs/results/paper_reproduction \
         --cell lti_p none runs/reproduction/lti_p/curve.csv "lti fit --config configs/reproduction/lti_p.yaml ..."
 
 Each `--cell ATTACK DEFENSE CURVE COMMAND` adds one measured cell: its numbers are the curve's last

@@ -29,7 +29,7 @@ evaluation text:
 
     python -m benchmarks.investigations.batched.linking \
         --auxiliary-file ../shared/data/wikitext-2/test.txt --evaluation-file ../shared/data/wikitext-2/valid.txt \
-        --defenses none sign --out docs/batched_updates/linking.json
+        --defenses none sign --out docs/results/batched_updates/linking.json
 """
 
 from __future__ import annotations
