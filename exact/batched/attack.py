@@ -38,6 +38,9 @@ class BatchedOptions(OptionGroup):
         lm_weight: Weight of the global model's next-token log-probability in the search.
         beam: Prefixes kept per sequence.
         refine: Passes of coordinate-wise refinement: each sequence grown again with the others' inputs known.
+        screen_sites: Every extension is first scored by this many sites alone (the forward pass stops there)...
+        shortlist: ...and only this many per sequence run through every site (0 with either: every extension
+            through every site).
         label_candidates: The last token of each sequence (a label, never an input) is chosen among the global
             model's this many likeliest by the least-squares refit of the update (1: the likeliest).
     """
@@ -48,6 +51,8 @@ class BatchedOptions(OptionGroup):
     beam: int = 4
     label_candidates: int = 16
     refine: int = 1
+    screen_sites: int = 4
+    shortlist: int = 32
 
     def _check(self) -> None:
         if self.picks_per_sequence < 1:
@@ -60,6 +65,8 @@ class BatchedOptions(OptionGroup):
             raise ValueError(f"beam={self.beam} must be >= 1")
         if self.refine < 0:
             raise ValueError(f"refine={self.refine} must be >= 0")
+        if self.screen_sites < 0 or self.shortlist < 0:
+            raise ValueError(f"screen_sites={self.screen_sites} and shortlist={self.shortlist} must be >= 0")
         if self.label_candidates < 1:
             raise ValueError(f"label_candidates={self.label_candidates} must be >= 1")
 
@@ -81,13 +88,19 @@ class BatchedLoRA:
     """The attack bound to a global model with LoRA adapters, its observed names and a whitening."""
 
     def __init__(self, target: nn.Module, names: list[str], whitening: SiteWhitening,
-                 options: BatchedOptions = BatchedOptions()) -> None:
+                 options: BatchedOptions = BatchedOptions(), site_weights: Tensor | None = None) -> None:
+        """`site_weights`: a learned scorer's weight per site (`exact.batched.scorer`; default 1 each)."""
         self.target, self.names, self.options = target, list(names), options
+        self.site_weights = site_weights
         self.sites = adapter_sites(self.names)
         if whitening.sites.shape[0] != len(self.sites):
             raise ValueError(f"the whitening holds {whitening.sites.shape[0]} sites; the model has {len(self.sites)}")
         self.whitening = whitening
         self.dictionary = vocabulary_inputs(target) @ whitening.vocabulary
+
+    @property
+    def _screen(self) -> dict[str, int]:
+        return {"screen_sites": self.options.screen_sites, "shortlist": self.options.shortlist}
 
     @torch.no_grad()
     def attack(self, update: dict[str, Tensor], batch_size: int, length: int,
@@ -98,14 +111,15 @@ class BatchedLoRA:
                    self.options.picks_per_sequence * batch_size, self.options.tolerance).tokens
         if not bag:
             return BatchedResult([[0] * length for _ in range(batch_size)], [[0.0] * length] * batch_size, [])
-        scorer = SpanScorer(rows, self.whitening.sites)
+        scorer = SpanScorer(rows, self.whitening.sites, self.site_weights)
         labels: list[list[int]] = []
         sequences, margins = grow_sequences(self.target, self.sites, scorer, bag, batch_size, length,
                                             self.options.lm_weight, beam=self.options.beam,
-                                            label_candidates=self.options.label_candidates, labels=labels)
+                                            label_candidates=self.options.label_candidates, labels=labels,
+                                            **self._screen)
         for _ in range(self.options.refine if batch_size > 1 else 0):
             sequences = refine_sequences(self.target, self.sites, scorer, bag, sequences, self.options.lm_weight,
-                                         self.options.beam)
+                                         self.options.beam, **self._screen)
             labels = likeliest_labels(self.target, sequences, self.options.label_candidates)
             for sequence, label in zip(sequences, labels):
                 sequence[-1] = label[0]

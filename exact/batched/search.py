@@ -18,8 +18,6 @@ sequences' gradients and fits the update. Plain PyTorch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor, nn
 
@@ -44,62 +42,147 @@ def _basis(matrix: Tensor, tolerance: float, reference: float | None = None) -> 
     return left[:, values > tolerance * top] if top > 0 else left[:, :0]
 
 
+def _bases(matrices: Tensor, tolerance: float, references: Tensor | None = None) -> list[Tensor]:
+    """`_basis` of each of the matrices (S, d, n) at once (one batched SVD)."""
+    left, values, _ = torch.linalg.svd(matrices, full_matrices=False)
+    tops = values[:, 0] if references is None else references.to(values)
+    keep = (values > tolerance * tops[:, None]) & (tops[:, None] > 0)
+    return [left[s][:, keep[s]] for s in range(matrices.shape[0])]
+
+
 class SpanScorer:
     """Every site's whitened span test of one update: `bases(known)` deflates by the known inputs,
-    `score(hidden, bases)` grades candidates' inputs against what is left."""
+    `terms(hidden, bases)` grades candidates' inputs against what is left, site by site, and `score` weighs
+    the sites' terms (`site_weights`, 1 each unless a learned scorer gives others)."""
 
-    def __init__(self, rows: list[Tensor], whitening: Tensor) -> None:
+    def __init__(self, rows: list[Tensor], whitening: Tensor, site_weights: Tensor | None = None) -> None:
         self.whitening = whitening.double()  # (S, d, d)
         self.whitening32 = self.whitening.float()
         self.rows = [r.double() @ w for r, w in zip(rows, self.whitening)]  # whitened (k, d) per site
         self.tops = [float(torch.linalg.matrix_norm(r, ord=2)) if r.numel() else 0.0 for r in self.rows]
+        self.site_weights = (torch.ones(len(self.rows), dtype=torch.float64) if site_weights is None
+                             else site_weights.double().reshape(-1))
+        if self.site_weights.numel() != len(self.rows):
+            raise ValueError(f"{self.site_weights.numel()} site weights for {len(self.rows)} sites")
 
     def bases(self, known: list[Tensor] | None) -> list[tuple[Tensor, Tensor]]:
         """Per site (known basis (d, n'), deflated row-space basis (d, r')) for known inputs (n, d) per site."""
-        out = []
-        for site, rows in enumerate(self.rows):
-            w = self.whitening[site]
-            if known is None or known[site].shape[0] == 0:
-                k = rows.new_zeros(rows.shape[1], 0)
-            else:
-                k = _basis((known[site].double() @ w).T, KNOWN_TOLERANCE)
-            left = rows.T - k @ (k.T @ rows.T)
-            out.append((k, _basis(left, ROW_SPACE_TOLERANCE, self.tops[site])))
-        return out
+        d = self.whitening.shape[-1]
+        if known is None or known[0].shape[0] == 0:
+            ks = [self.whitening.new_zeros(d, 0)] * len(self.rows)
+        else:
+            # One batched SVD over the sites (each site knows as many inputs): the search calls this for every
+            # sequence at every position.
+            z = torch.stack([k.double() for k in known]) @ self.whitening.to(known[0].device)  # (S, n, d)
+            ks = _bases(z.transpose(1, 2), KNOWN_TOLERANCE)
+        left = [rows.T - k @ (k.T @ rows.T) for k, rows in zip(ks, self.rows)]
+        if len({x.shape for x in left}) == 1:
+            spans = _bases(torch.stack(left), ROW_SPACE_TOLERANCE, torch.tensor(self.tops, dtype=torch.float64))
+        else:
+            spans = [_basis(x, ROW_SPACE_TOLERANCE, top) for x, top in zip(left, self.tops)]
+        return list(zip(ks, spans))
 
-    def score(self, hidden: list[Tensor], bases: list[tuple[Tensor, Tensor]],
-              sites: list[int] | None = None) -> Tensor:
-        """(K,) summed log-fractions of the candidates' inputs `hidden` (K, d) per site."""
-        total = None
-        for site in range(len(self.rows)) if sites is None else sites:
+    def terms(self, hidden: list[Tensor], bases: list[tuple[Tensor, Tensor]],
+              sites: range | None = None) -> Tensor:
+        """(K, len(sites)) float64 log-fractions of the candidates' inputs `hidden` (K, d) per site, of the
+        sites `sites` (default: all; `hidden` holds those sites' inputs, in order)."""
+        sites = range(len(self.rows)) if sites is None else sites
+        columns = []
+        for site, h in zip(sites, hidden):
             k, rows = bases[site]
             # float32: a score needs a few digits, and V * d * d products per site dominate the search otherwise
-            z = hidden[site].float() @ self.whitening32[site]
+            z = h.float() @ self.whitening32[site]
             if k.shape[1]:
                 z = z - (z @ k.float()) @ k.float().T
             inside = (z @ rows.float()).pow(2).sum(1)
             fraction = inside / z.pow(2).sum(1).clamp_min(1e-300)
-            term = torch.log(fraction.double() + LOG_FLOOR)
-            total = term if total is None else total + term
-        assert total is not None
-        return total
+            columns.append(torch.log(fraction.double() + LOG_FLOOR))
+        return torch.stack(columns, dim=1)
+
+    def score(self, hidden: list[Tensor], bases: list[tuple[Tensor, Tensor]], sites: range | None = None) -> Tensor:
+        """(K,) the sites' terms weighed by `site_weights`."""
+        sites = range(len(self.rows)) if sites is None else sites
+        return self.terms(hidden, bases, sites) @ self.site_weights[sites.start:sites.stop].to(hidden[0].device)
 
 
-def _step(lm: nn.Module, tokens: Tensor, cache) -> tuple[Tensor, object]:
-    out = lm(input_ids=tokens, use_cache=True, **({cache_keyword(lm): cache} if cache is not None else {}))
+def _decoder(target: nn.Module) -> tuple[nn.Module, nn.Module, torch.device]:
+    """(the causal LM, its decoder without the vocabulary projection, their device): site inputs need only the
+    decoder; the prior needs the LM."""
+    lm = getattr(target, "model", target)
+    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+    return lm, getattr(base, "model", base), next(lm.parameters()).device
+
+
+def _step(lm: nn.Module, tokens: Tensor, cache=None) -> tuple[Tensor, object]:
+    """The next token's log-probabilities after each row of `tokens` (continuing `cache`, if given), and the
+    cache. Only the last position's logits are computed: the vocabulary projection of every position would
+    cost as much as the decoder."""
+    extra = {cache_keyword(lm): cache} if cache is not None else {}
+    out = lm(input_ids=tokens, use_cache=True, logits_to_keep=1, **extra)
     return out.logits[:, -1].float().log_softmax(-1), out["cache" if "cache" in out else "past_key_values"]
+
+
+class Prefixes:
+    """Prefixes (P, p) run once through the global model: `logp` (P, V), their next token's log-probabilities,
+    `inputs`, their own site inputs (P, p, d) per site, and `extend(rows, tokens)`, the site inputs of prefix
+    `rows[k]` extended by `tokens[k]` (its last position), computed in chunks from the prefixes' cache."""
+
+    #: Extensions per forward pass: each copies the prefix's key/value cache (every layer), so memory grows with
+    #: rows * p; a few thousand tokens also keep the matrix products large enough for the CPU.
+    CHUNK_TOKENS = 8192
+
+    def __init__(self, target: nn.Module, sites: list[Site], ids: Tensor) -> None:
+        self.target, self.sites = target, sites
+        lm, self.base, _ = _decoder(target)
+        stepped: list = []
+        self.inputs = capture_site_inputs(target, sites, lambda: stepped.append(_step(lm, ids)))
+        self.logp, self.cache = stepped[0]
+        self.length = ids.shape[1]
+
+    def advance(self, rows: Tensor, tokens: Tensor) -> Prefixes:
+        """The prefixes `rows[k]` extended by `tokens[k]`: only the new position runs through the model (from a
+        copy of the cache), so a search pays one token per prefix and position, not the whole prefix again."""
+        lm, _, _ = _decoder(self.target)
+        expanded = _reorder(self.cache, rows)
+        stepped: list = []
+        new = capture_site_inputs(self.target, self.sites, lambda: stepped.append(_step(lm, tokens[:, None], expanded)))
+        out = Prefixes.__new__(Prefixes)
+        out.target, out.sites, out.base = self.target, self.sites, self.base
+        out.logp, out.cache = stepped[0]
+        out.inputs = [torch.cat([old[rows], h.to(old)], dim=1) for old, h in zip(self.inputs, new)]
+        out.length = self.length + 1
+        return out
+
+    def extend(self, rows: Tensor, tokens: Tensor, upto: int | None = None) -> list[Tensor]:
+        """(K, d) per site (the first `upto` sites only: the forward pass stops there)."""
+        chunk = max(1, self.CHUNK_TOKENS // self.length)
+        parts = []
+        for start in range(0, rows.numel(), chunk):
+            expanded = _reorder(self.cache, rows[start : start + chunk])
+            part = tokens[start : start + chunk, None]
+            parts.append([h[:, -1] for h in capture_site_inputs(
+                self.target, self.sites, lambda part=part, expanded=expanded: self.base(
+                    input_ids=part, use_cache=True, **{cache_keyword(self.base): expanded}), upto=upto)])
+        return [torch.cat(columns) for columns in zip(*parts)]
 
 
 @torch.no_grad()
 def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag: list[int], batch_size: int,
                    length: int, lm_weight: float = 0.0, deflate: bool = True, beam: int = 1,
-                   progress: Callable[[int], None] | None = None, label_candidates: int = 1,
-                   labels: list[list[int]] | None = None,
-                   extra_known: list[Tensor] | None = None) -> tuple[list[list[int]], list[list[float]]]:
+                   label_candidates: int = 1, labels: list[list[int]] | None = None,
+                   extra_known: list[Tensor] | None = None, screen_sites: int = 0,
+                   shortlist: int = 0) -> tuple[list[list[int]], list[list[float]]]:
     """B sequences of `length` tokens grown over the bag (each token usable any number of times), and each
     chosen token's margin over the runner-up (a confidence; the last token's is its LM log-probability
     margin). `labels`, if given, receives each sequence's `label_candidates` likeliest last tokens.
-    `extra_known`: inputs (n, d) per site known beforehand (other sequences' all positions, when refining)."""
+    `extra_known`: inputs (n, d) per site known beforehand (other sequences' all positions, when refining).
+    `screen_sites`, `shortlist`: when both are set, every extension is first scored by the first
+    `screen_sites` sites alone (the forward pass stops there; deflated by the inputs known when the position
+    starts) and only the `shortlist` best per sequence run through every site; 0 scores every extension at
+    every site.
+
+    The extensions of all B sequences' beams run through the model together (their inputs do not depend on
+    each other); only their scores do, through deflation, so the choices are made sequence by sequence."""
 
     def with_extra(known: list[Tensor] | None) -> list[Tensor] | None:
         if extra_known is None:
@@ -109,10 +192,7 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
         return [torch.cat([e.to(k), k]) for e, k in zip(extra_known, known)]
 
     labels = [] if labels is None else labels
-    lm = getattr(target, "model", target)
-    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
-    base = getattr(base, "model", base)  # the decoder without its vocabulary projection: site inputs only
-    device = next(lm.parameters()).device
+    lm, base, device = _decoder(target)
     candidates = torch.tensor(bag, dtype=torch.long, device=device)
     sequences: list[list[int]] = [[] for _ in range(batch_size)]
     margins: list[list[float]] = [[] for _ in range(batch_size)]
@@ -126,54 +206,60 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
         scores = scorer.score(first, scorer.bases(known))
         if chosen_rows and deflate:
             scores[chosen_rows] = -float("inf")
-        order = scores.argsort(descending=True)
-        best = int(order[0])
-        chosen_rows.append(best)
+        chosen_rows.append(int(scores.argmax()))
     for i, row in enumerate(chosen_rows):
         sequences[i].append(bag[row])
         margins[i].append(0.0)
+    # A beam entry: (tokens, cumulative score); `run` holds every sequence's beam as rows of one batch of
+    # prefixes, in sequence order, a sequence's best prefix first.
     beams = [[(list(s), 0.0)] for s in sequences]
-    if progress is not None:
-        progress(1)
+    run = Prefixes(target, sites, torch.tensor(sequences, dtype=torch.long, device=device))
     for p in range(1, length):
-        prefix = torch.tensor(sequences, dtype=torch.long, device=device)  # (B, p)
-        logp, cache = _step(lm, prefix, None)  # the prior of every sequence's next token
+        owners = [i for i in range(batch_size) for _ in beams[i]]
+        flat = [b for i in range(batch_size) for b in beams[i]]
+        best_rows = [owners.index(i) for i in range(batch_size)]
         if p == length - 1:  # the last token is a label only: the model's own guess (`labels` keeps its runners-up)
-            top = logp.topk(max(2, label_candidates), dim=-1)
+            top = run.logp[best_rows].topk(max(2, label_candidates), dim=-1)
             for i in range(batch_size):
                 sequences[i].append(int(top.indices[i, 0]))
                 margins[i].append(float(top.values[i, 0] - top.values[i, 1]))
             labels[:] = top.indices[:, :label_candidates].tolist()
             break
-        known: list[Tensor] | None = None
-        if deflate:
-            known_inputs = capture_site_inputs(target, sites, lambda: base(prefix))
-            known = with_extra([h.reshape(-1, h.shape[-1]) for h in known_inputs])
+        # Deflation: every sequence's chosen prefix (the search's own choices) is known.
+        known = with_extra([h[best_rows].reshape(-1, h.shape[-1]) for h in run.inputs]) if deflate else None
+        rows = torch.arange(len(flat), device=device).repeat_interleave(len(bag))
+        tokens = candidates.repeat(len(flat))
+        owner = torch.tensor(owners, device=device)[rows]
+        cumulative = torch.tensor([b[1] for b in flat], dtype=torch.float64, device=device)[rows]
+        prior = lm_weight * run.logp[rows, tokens].double()
+        if 0 < screen_sites < len(sites) and 0 < shortlist < max(len(b) for b in beams) * len(bag):
+            screen = range(screen_sites)
+            early = cumulative + prior + scorer.score(run.extend(rows, tokens, screen_sites), scorer.bases(known), screen)
+            keep = []
+            for i in range(batch_size):
+                mine = (owner == i).nonzero()[:, 0]
+                keep.append(mine[early[mine].topk(min(shortlist, mine.numel())).indices])
+            kept = torch.cat(keep)
+            rows, tokens, owner, cumulative, prior = rows[kept], tokens[kept], owner[kept], cumulative[kept], prior[kept]
+        inputs = run.extend(rows, tokens)
+        sources: list[int] = []  # the next position's prefixes: their rows in `run` and their new tokens
+        chosen: list[int] = []
         for i in range(batch_size):
             # Joint: the inputs the sequences before this one chose at p are known too, so two sequences do not
             # both take the direction one true input explains.
-            bases = scorer.bases(known)
-            # The sequence's beam: every kept prefix extended by every bag token, cumulative scores.
-            prefixes = beams[i]
-            rows = torch.arange(len(prefixes), device=device).repeat_interleave(len(bag))
-            tokens = candidates.repeat(len(prefixes))
-            ids = torch.tensor([b[0] for b in prefixes], dtype=torch.long, device=device)
-            lp, cache_i = _step(lm, ids, None)
-            expanded = _reorder(cache_i, rows)
-            step_inputs = capture_site_inputs(
-                target, sites, lambda expanded=expanded, tokens=tokens: base(input_ids=tokens[:, None], use_cache=True,
-                                                                           **{cache_keyword(base): expanded}))
-            step = scorer.score([h[:, -1] for h in step_inputs], bases) + lm_weight * lp[rows, tokens]
-            total = torch.tensor([b[1] for b in prefixes], dtype=torch.float64, device=device)[rows] + step
-            keep = total.topk(min(beam, total.numel())).indices
-            beams[i] = [(prefixes[int(rows[k])][0] + [int(tokens[k])], float(total[k])) for k in keep]
+            mine = (owner == i).nonzero()[:, 0]
+            step = scorer.score([h[mine] for h in inputs], scorer.bases(known)) + prior[mine]
+            total = cumulative[mine] + step
+            keep_i = total.topk(min(beam, total.numel())).indices
+            beams[i] = [(flat[int(rows[mine[k]])][0] + [int(tokens[mine[k]])], float(total[k])) for k in keep_i]
+            sources += [int(rows[mine[k]]) for k in keep_i]
+            chosen += [int(tokens[mine[k]]) for k in keep_i]
             sequences[i] = list(beams[i][0][0])
             if known is not None:
-                best = int(keep[0])
-                known = [torch.cat([k, h[best : best + 1, -1].to(k)]) for k, h in zip(known, step_inputs)]
-            margins[i].append(float(total[keep[0]] - total[keep[-1]]) if len(keep) > 1 else 0.0)
-        if progress is not None:
-            progress(1)
+                best = int(mine[keep_i[0]])
+                known = [torch.cat([k, h[best : best + 1].to(k)]) for k, h in zip(known, inputs)]
+            margins[i].append(float(total[keep_i[0]] - total[keep_i[-1]]) if len(keep_i) > 1 else 0.0)
+        run = run.advance(torch.tensor(sources, device=device), torch.tensor(chosen, device=device))
     return sequences, margins
 
 
@@ -188,14 +274,12 @@ def _reorder(cache, rows: Tensor):
 
 @torch.no_grad()
 def refine_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag: list[int],
-                     sequences: list[list[int]], lm_weight: float = 0.0, beam: int = 1) -> list[list[int]]:
+                     sequences: list[list[int]], lm_weight: float = 0.0, beam: int = 1, screen_sites: int = 0,
+                     shortlist: int = 0) -> list[list[int]]:
     """One pass of coordinate-wise refinement: each sequence grown again with every other sequence's inputs
     (all their positions) known. With the others right, the rows' unknown inputs are this sequence's own
     L - 1, fewer than a site's 2r rows at L <= 2r: the span test becomes a membership test."""
-    lm = getattr(target, "model", target)
-    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
-    base = getattr(base, "model", base)
-    device = next(lm.parameters()).device
+    _, base, device = _decoder(target)
     out = [list(s) for s in sequences]
     length = len(out[0])
     for i in range(len(out)):
@@ -204,7 +288,8 @@ def refine_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, b
         if others:
             ids = torch.tensor(others, dtype=torch.long, device=device)
             extra = [h.reshape(-1, h.shape[-1]) for h in capture_site_inputs(target, sites, lambda ids=ids: base(ids))]
-        grown, _ = grow_sequences(target, sites, scorer, bag, 1, length, lm_weight, beam=beam, extra_known=extra)
+        grown, _ = grow_sequences(target, sites, scorer, bag, 1, length, lm_weight, beam=beam, extra_known=extra,
+                                  screen_sites=screen_sites, shortlist=shortlist)
         out[i] = grown[0][:-1] + [out[i][-1]]  # the last token stays the refit's to choose
     return out
 
@@ -212,8 +297,7 @@ def refine_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, b
 @torch.no_grad()
 def likeliest_labels(target: nn.Module, sequences: list[list[int]], count: int) -> list[list[int]]:
     """Each sequence's `count` likeliest last tokens under the global model, given all its other tokens."""
-    lm = getattr(target, "model", target)
-    device = next(lm.parameters()).device
+    lm, _, device = _decoder(target)
     prefixes = torch.tensor([s[:-1] for s in sequences], dtype=torch.long, device=device)
-    logp, _ = _step(lm, prefixes, None)
+    logp, _ = _step(lm, prefixes)
     return logp.topk(count, dim=-1).indices.tolist()

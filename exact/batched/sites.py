@@ -64,23 +64,36 @@ def _strip(name: str, prefixes: tuple[str, ...]) -> str:
     return name
 
 
+class _SitesCaptured(Exception):
+    """Raised by the last wanted site's hook: the rest of the forward pass is not needed."""
+
+
 @torch.no_grad()
-def capture_site_inputs(model: nn.Module, sites: list[Site], run) -> list[Tensor]:
-    """Run `run()` (a forward of `model`) and return each site's input (..., d) as the model computed it."""
+def capture_site_inputs(model: nn.Module, sites: list[Site], run, upto: int | None = None) -> list[Tensor]:
+    """Run `run()` (a forward of `model`) and return each site's input (..., d) as the model computed it.
+
+    `upto`: only the first `upto` sites' inputs are wanted; the forward pass stops there (a key/value cache
+    given to it is then left half-updated: pass a copy)."""
+    wanted = sites if upto is None else sites[:upto]
     modules = dict(model.named_modules())
-    captured: list[Tensor | None] = [None] * len(sites)
+    captured: list[Tensor | None] = [None] * len(wanted)
     handles = []
     try:
-        for i, site in enumerate(sites):
+        for i, site in enumerate(wanted):
             module = modules.get(site.modules[0])
             if module is None:
                 raise ValueError(f"the model has no module {site.modules[0]!r} (adapted module of {site.lora_a[0]!r})")
 
             def hook(mod, args, kwargs, i=i):
                 captured[i] = (args[0] if args else next(iter(kwargs.values()))).detach()
+                if upto is not None and i == len(wanted) - 1:
+                    raise _SitesCaptured
 
             handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
-        run()
+        try:
+            run()
+        except _SitesCaptured:
+            pass
     finally:
         for handle in handles:
             handle.remove()

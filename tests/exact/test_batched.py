@@ -143,6 +143,15 @@ def test_the_span_score_ranks_a_true_input_above_the_others_and_deflation_is_a_p
         z = known[site].double() @ whitening.sites[site]
         assert float((z.T - k @ (k.T @ z.T)).norm()) < 1e-8 * float(z.norm())
         assert float((k.T @ rows).abs().max()) < 1e-8
+        # The batched SVD keeps what one site's own SVD keeps (slow reference: `_basis` per site).
+        from exact.batched.search import KNOWN_TOLERANCE, ROW_SPACE_TOLERANCE, _basis
+
+        k_ref = _basis(z.T, KNOWN_TOLERANCE)
+        left = scorer.rows[site].T - k_ref @ (k_ref.T @ scorer.rows[site].T)
+        rows_ref = _basis(left, ROW_SPACE_TOLERANCE, scorer.tops[site])
+        assert k.shape == k_ref.shape and rows.shape == rows_ref.shape
+        assert torch.allclose(k @ k.T, k_ref @ k_ref.T, atol=1e-8)
+        assert torch.allclose(rows @ rows.T, rows_ref @ rows_ref.T, atol=1e-8)
 
 
 def test_the_search_returns_b_sequences_of_the_asked_length_made_of_bag_tokens():
@@ -178,3 +187,80 @@ def test_the_least_squares_refit_picks_the_true_label_and_certifies_the_true_bat
     assert least_squares_check(flat, simulate(wrong))[0] > 1e-3
     labels = [[(s[-1] + k) % VOCAB for k in (3, 1, 0, 7)] for s in ids.tolist()]
     assert refit_labels(flat, simulate, wrong, labels) == ids.tolist()
+
+
+def test_capture_upto_stops_the_forward_after_the_wanted_sites_and_matches_the_full_pass():
+    pipe = pipeline(1)
+    sites = adapter_sites(list(pipe.names))
+    lm = pipe.target.model
+    ids = torch.randint(0, VOCAB, (3, 5), generator=torch.Generator().manual_seed(9))
+    full = capture_site_inputs(pipe.target, sites, lambda: lm(ids))
+    reached = []
+    module = dict(pipe.target.named_modules())[sites[1].modules[0]]
+    handle = module.register_forward_pre_hook(lambda *_: reached.append(1))
+    try:
+        early = capture_site_inputs(pipe.target, sites, lambda: lm(ids), upto=1)
+    finally:
+        handle.remove()
+    assert len(early) == 1 and torch.equal(early[0], full[0]) and not reached
+
+
+def test_the_prior_from_the_last_position_and_the_cached_extension_equal_full_recomputes():
+    from exact.batched.search import Prefixes
+
+    pipe = pipeline(1)
+    sites = adapter_sites(list(pipe.names))
+    lm = pipe.target.model
+    ids = torch.randint(0, VOCAB, (2, 4), generator=torch.Generator().manual_seed(10))
+    run = Prefixes(pipe.target, sites, ids)
+    assert torch.allclose(run.logp, lm(ids).logits[:, -1].float().log_softmax(-1), atol=1e-5)
+    rows, tokens = torch.tensor([1, 0, 1]), torch.tensor([7, 8, 200])
+    extended = run.extend(rows, tokens)
+    # Reference: each extended sequence run whole, without a cache.
+    whole = torch.cat([ids[rows], tokens[:, None]], dim=1)
+    reference = capture_site_inputs(pipe.target, sites, lambda: lm(whole))
+    for got, want in zip(extended, reference):
+        assert torch.allclose(got, want[:, -1], atol=1e-5)
+    # Advancing the prefixes by one token each equals running the longer prefixes from scratch.
+    advanced = run.advance(rows, tokens)
+    fresh = Prefixes(pipe.target, sites, whole)
+    assert advanced.length == fresh.length == 5
+    assert torch.allclose(advanced.logp, fresh.logp, atol=1e-5)
+    for got, want in zip(advanced.inputs, fresh.inputs):
+        assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5)
+
+
+def test_a_screened_search_finds_what_the_full_search_finds_when_the_first_site_is_exact():
+    # 2 sequences of 5 tokens: 8 visible tokens < 16 rows, so the first site alone is a membership test and the
+    # true extension survives any shortlist; screening must not change the result.
+    pipe = pipeline(2)
+    ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(6))
+    update = update_of(pipe, ids)
+    sites = adapter_sites(list(pipe.names))
+    whitening = SiteWhitening.fit(pipe.target, sites, torch.randint(0, VOCAB, (32, 5)))
+    x0 = vocabulary_inputs(pipe.target)
+    bag = somp(sites[0].rows(update) @ whitening.vocabulary, x0 @ whitening.vocabulary, 16).tokens
+    scorer = SpanScorer([s.rows(update) for s in sites], whitening.sites)
+    full, _ = grow_sequences(pipe.target, sites, scorer, bag, 2, 5, beam=2)
+    screened, _ = grow_sequences(pipe.target, sites, scorer, bag, 2, 5, beam=2, screen_sites=1, shortlist=3)
+    assert screened == full
+    assert sorted(s[:-1] for s in screened) == sorted(s[:-1] for s in ids.tolist())
+
+
+def test_site_weights_weigh_the_terms_and_a_wrong_count_is_refused():
+    pipe = pipeline(2)
+    ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(11))
+    update = update_of(pipe, ids)
+    sites = adapter_sites(list(pipe.names))
+    whitening = SiteWhitening.fit(pipe.target, sites, torch.randint(0, VOCAB, (16, 5)))
+    rows = [s.rows(update) for s in sites]
+    every = capture_site_inputs(pipe.target, sites, lambda: pipe.target.model(torch.arange(VOCAB)[:, None]))
+    hidden = [h[:, 0] for h in every]
+    plain = SpanScorer(rows, whitening.sites)
+    weighed = SpanScorer(rows, whitening.sites, torch.tensor([2.0, -0.5]))
+    terms = plain.terms(hidden, plain.bases(None))
+    assert torch.allclose(plain.score(hidden, plain.bases(None)), terms.sum(1))
+    assert torch.allclose(weighed.score(hidden, weighed.bases(None)), 2 * terms[:, 0] - 0.5 * terms[:, 1])
+    assert torch.allclose(weighed.score(hidden[:1], weighed.bases(None), range(1)), 2 * terms[:, 0])
+    with pytest.raises(ValueError, match="3 site weights for 2 sites"):
+        SpanScorer(rows, whitening.sites, torch.ones(3))

@@ -8,7 +8,7 @@ does. Reports bag recall (distinct visible tokens found), token accuracy (sequen
 metrics do), ROUGE-1/2, exact sequences and seconds per update; one JSON line per update as it ends.
 
     python -m benchmarks.investigations.batched.lora_batch --batch-sizes 1 2 4 8 16 --updates 8 \
-        --out docs/batched_updates/lora_batch.jsonl
+        --out docs/results/audit/batched/eval.jsonl
 """
 
 from __future__ import annotations
@@ -19,6 +19,63 @@ import time
 from pathlib import Path
 
 import torch
+
+from exact.batched import BatchedOptions
+
+TAIL = 2048
+
+
+class Setup:
+    """The threat model, its splits, the whitening, and the server's view of a client's update."""
+
+    def __init__(self, config: str, whitening_blocks: int, whitening_cache: str) -> None:
+        from datamodules.federated.pipeline import target_fingerprint
+        from exact.batched.sites import adapter_sites
+        from exact.batched.whitening import SiteWhitening
+        from lti.trainer_cli import instantiate
+
+        _, self.data = instantiate(config, [])
+        self.data.prepare_data()
+        self.data.setup("validate")
+        self.server = self.data.pipeline
+        self.target = self.server.target
+        aux, _ = self.data.blocks("auxiliary")
+        self.evaluation, _ = self.data.blocks("evaluation")
+        #: The auxiliary split's last blocks: never read by the whitening or the scorer; settings are chosen on it.
+        self.tail = aux[-TAIL:]
+        self.whitening_blocks = min(whitening_blocks, aux.shape[0] - TAIL)
+        #: Blocks the learned scorer may train on: the auxiliary split between the whitening's and the tail.
+        self.training = aux[self.whitening_blocks : -TAIL]
+        self.names = list(self.server.names)
+        self.sites = adapter_sites(self.names)
+        self.fingerprint = target_fingerprint(self.target)
+        self.whitening = SiteWhitening.load_or_fit(whitening_cache, self.target, self.sites,
+                                                   aux[: self.whitening_blocks], self.fingerprint)
+        self._clients: dict[tuple[int, float], object] = {}
+
+    def simulate(self, sequences: list[list[int]]) -> torch.Tensor:
+        """The update each sequence alone gives (the server's own simulation, one sequence per update)."""
+        return self.server({"input_ids": torch.tensor(sequences)[:, None]}, keep_update=True).update
+
+    def observed(self, ids: torch.Tensor, lr: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The client's FedSGD step on `ids` (B, L) returned in float32 and read back by the server:
+        (flat update, {name: gradient})."""
+        from lti.audit.attacks import observed_update
+        from lti.audit.federation import adapter_state, client_pipeline
+
+        key = (ids.shape[0], lr)
+        if key not in self._clients:
+            self._clients[key] = client_pipeline(self.server, ids.shape[0], lr=lr)
+        clients = self._clients[key]
+        sent = adapter_state(clients)
+        gradient = clients({"input_ids": ids[None]}, keep_update=True).update[0]
+        returned, start = {}, 0
+        for name, shape in clients.spec.parameters:
+            size = int(torch.tensor(shape).prod())
+            returned[name] = (sent[name].float() - lr * gradient[start : start + size].view(shape)).float()
+            start += size
+        update = observed_update(sent, returned, lr, self.names)
+        return update, {name: grads[0].double() for name, grads in self.server.split(update[None]).items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -33,59 +90,41 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--refine", type=int, default=1, help="passes of coordinate-wise refinement")
     parser.add_argument("--label-candidates", type=int, default=16,
                         help="last tokens chosen by the least-squares refit among the LM's top k (0: no refit)")
+    parser.add_argument("--screen-sites", type=int, default=BatchedOptions.screen_sites,
+                        help="sites that screen every extension (0: no screening)")
+    parser.add_argument("--shortlist", type=int, default=BatchedOptions.shortlist,
+                        help="extensions per sequence scored by every site after the screen")
+    parser.add_argument("--scorer", default=None, help="learned scorer weights (train_scorer's output); "
+                        "their prior weight replaces --lm-weight")
     parser.add_argument("--whitening-blocks", type=int, default=512, help="auxiliary blocks the whitening reads")
     parser.add_argument("--whitening-cache", default="runs/whitening/smollm2_lora.safetensors")
     parser.add_argument("--out", required=True, help="JSONL file: one line per update")
     args = parser.parse_args(argv)
 
-    from datamodules.federated.pipeline import target_fingerprint
     from datamodules.metrics import score_batch
-    from exact.batched import BatchedLoRA, BatchedOptions
-    from exact.batched.sites import adapter_sites
-    from exact.batched.whitening import SiteWhitening
-    from lti.audit.attacks import observed_update
-    from lti.audit.federation import adapter_state, client_pipeline
-    from lti.trainer_cli import instantiate
+    from exact.batched import BatchedLoRA
+    from exact.batched.scorer import ScorerWeights
 
-    _, data = instantiate(args.config, [])
-    data.prepare_data()
-    data.setup("validate")
-    server = data.pipeline
-    target = server.target
-    aux, _ = data.blocks("auxiliary")
-    if args.split == "evaluation":
-        held_out, _ = data.blocks("evaluation")
-    else:
-        held_out = aux[-2048:]
-    aux = aux[: min(args.whitening_blocks, aux.shape[0] - 2048)]
-    names = list(server.names)
-    sites = adapter_sites(names)
-    whitening = SiteWhitening.load_or_fit(args.whitening_cache, target, sites, aux, target_fingerprint(target))
-    decode = lambda t: data.tokenizer.decode(t)  # noqa: E731
-    attack = BatchedLoRA(target, names, whitening, BatchedOptions(lm_weight=args.lm_weight, beam=args.beam,
-                                                                  label_candidates=max(1, args.label_candidates),
-                                                                  refine=args.refine))
-
-    def simulate(sequences: list[list[int]]) -> torch.Tensor:
-        """The update each sequence alone gives (the server's own simulation, one sequence per update)."""
-        return server({"input_ids": torch.tensor(sequences)[:, None]}, keep_update=True).update
+    bench = Setup(args.config, args.whitening_blocks, args.whitening_cache)
+    held_out = bench.evaluation if args.split == "evaluation" else bench.tail
+    decode = lambda t: bench.data.tokenizer.decode(t)  # noqa: E731
+    weights = None
+    if args.scorer:
+        weights = ScorerWeights.load(args.scorer, bench.fingerprint, len(bench.sites))
+    options = BatchedOptions(lm_weight=weights.lm if weights else args.lm_weight, beam=args.beam,
+                             label_candidates=max(1, args.label_candidates), refine=args.refine,
+                             screen_sites=args.screen_sites, shortlist=args.shortlist)
+    attack = BatchedLoRA(bench.target, bench.names, bench.whitening, options,
+                         site_weights=weights.sites if weights else None)
+    simulate = bench.simulate
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("a") as log:
         for batch in args.batch_sizes:
-            clients = client_pipeline(server, batch, lr=args.lr)
-            sent = adapter_state(clients)
             for k in range(args.updates):
                 generator = torch.Generator().manual_seed(7919 * batch + k)
                 ids = held_out[torch.randperm(held_out.shape[0], generator=generator)[:batch]]
-                gradient = clients({"input_ids": ids[None]}, keep_update=True).update[0]
-                returned, start = {}, 0
-                for name, shape in clients.spec.parameters:
-                    size = int(torch.tensor(shape).prod())
-                    returned[name] = (sent[name].float() - args.lr * gradient[start : start + size].view(shape)).float()
-                    start += size
-                update = observed_update(sent, returned, args.lr, names)
-                split = {name: grads[0].double() for name, grads in server.split(update[None]).items()}
+                update, split = bench.observed(ids, args.lr)
                 began = time.perf_counter()
                 found = attack.attack(split, batch, ids.shape[1], simulate if args.label_candidates > 0 else None,
                                       update)
@@ -98,7 +137,8 @@ def main(argv: list[str] | None = None) -> None:
                        "token_acc": scores["correct"] / scores["tokens"], "rouge1": scores["rouge1"],
                        "rouge2": scores["rouge2"], "exact": scores["exact_fraction"],
                        "seconds": seconds, "residual": found.residual, "certified": found.certified,
-                       "label_candidates": args.label_candidates, "refine": args.refine}
+                       "label_candidates": args.label_candidates, "refine": args.refine,
+                       "screen_sites": args.screen_sites, "shortlist": args.shortlist, "scorer": args.scorer}
                 log.write(json.dumps(row) + "\n")
                 log.flush()
                 print(json.dumps(row), flush=True)

@@ -1,0 +1,92 @@
+"""The batched search's learned scorer: examples collected from a simulated update, the conditional-logit fit
+against a per-example reference, and the weights file."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_batched import VOCAB, pipeline, update_of  # noqa: E402  (the tiny LoRA Llama of the batched tests)
+
+from exact.batched.bag import somp
+from exact.batched.scorer import Example, ScorerWeights, accuracy_at_one, extension_examples, fit_weights
+from exact.batched.search import SpanScorer
+from exact.batched.sites import adapter_sites, capture_site_inputs
+from exact.batched.whitening import SiteWhitening, vocabulary_inputs
+
+
+def synthetic(count: int, seed: int) -> list[Example]:
+    """Two sites: the second tells the true candidate apart, the first is noise; the prior helps a little."""
+    generator = torch.Generator().manual_seed(seed)
+    examples = []
+    for _ in range(count):
+        terms = torch.randn(20, 2, generator=generator, dtype=torch.float64)
+        prior = torch.randn(20, generator=generator, dtype=torch.float64)
+        true = int(torch.randint(0, 20, (1,), generator=generator))
+        terms[true, 1] += 2.5
+        prior[true] += 0.5
+        examples.append(Example(terms, prior, true))
+    return examples
+
+
+def per_example_loss(examples: list[Example], weights: torch.Tensor) -> torch.Tensor:
+    """The slow reference: each example's log-softmax in a loop."""
+    total = 0
+    for e in examples:
+        logits = e.terms @ weights[:-1] + weights[-1] * e.prior
+        total = total - logits.log_softmax(0)[e.true]
+    return total / len(examples)
+
+
+def test_the_fit_moves_weight_to_the_informative_site_and_is_a_stationary_point_of_the_reference_loss():
+    train, held_out = synthetic(300, 0), synthetic(200, 1)
+    start = ScorerWeights.hand_set(2, 0.5)
+    l2 = 1e-3
+    fitted = fit_weights(train, start, l2=l2)
+    assert float(fitted.sites[1]) > 3 * abs(float(fitted.sites[0]))
+    assert accuracy_at_one(held_out, fitted) > accuracy_at_one(held_out, start) + 0.1
+    # The padded, masked loss it minimised is the per-example loop's: its gradient vanishes there.
+    w = torch.cat([fitted.sites, torch.tensor([fitted.lm], dtype=torch.float64)]).requires_grad_(True)
+    origin = torch.tensor([1.0, 1.0, 0.5], dtype=torch.float64)
+    (per_example_loss(train, w) + l2 * (w - origin).pow(2).sum()).backward()
+    assert float(w.grad.abs().max()) < 1e-4
+
+
+def test_examples_of_a_tiny_update_hold_the_true_extension_and_the_deflated_terms_of_a_recompute():
+    pipe = pipeline(2)
+    ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(12))
+    update = update_of(pipe, ids)
+    sites = adapter_sites(list(pipe.names))
+    whitening = SiteWhitening.fit(pipe.target, sites, torch.randint(0, VOCAB, (32, 5)))
+    bag = somp(sites[0].rows(update) @ whitening.vocabulary, vocabulary_inputs(pipe.target) @ whitening.vocabulary,
+               16).tokens
+    scorer = SpanScorer([s.rows(update) for s in sites], whitening.sites)
+    examples = extension_examples(pipe.target, sites, scorer, bag, ids)
+    assert len(examples) == 2 * 3  # positions 1..3 of both sequences (position 4 is a label)
+    assert all(bag[e.true] == int(ids[n % 2, 1 + n // 2]) for n, e in enumerate(examples))
+    assert accuracy_at_one(examples, ScorerWeights.hand_set(len(sites), 0.0)) == 1.0  # 8 tokens < 16 rows: exact
+    # Reference for the last example (sequence 1, position 3): candidates run whole, known inputs recomputed.
+    lm = pipe.target.model
+    whole = torch.cat([ids[1, :3].repeat(len(bag), 1), torch.tensor(bag)[:, None]], dim=1)
+    hidden = [h[:, -1] for h in capture_site_inputs(pipe.target, sites, lambda: lm(whole))]
+    truth = capture_site_inputs(pipe.target, sites, lambda: lm(ids))
+    known = [torch.cat([h[:, :3].reshape(-1, h.shape[-1]), h[:1, 3]]) for h in truth]
+    reference = scorer.terms(hidden, scorer.bases(known))
+    assert torch.allclose(examples[-1].terms, reference, atol=1e-3)
+
+
+def test_the_weights_file_round_trips_and_refuses_another_model_a_wrong_count_and_damage(tmp_path):
+    path = tmp_path / "scorer.safetensors"
+    weights = ScorerWeights(torch.tensor([1.5, -0.25], dtype=torch.float64), 0.75, "fingerprint-a")
+    weights.save(path)
+    assert [p.name for p in tmp_path.iterdir()] == ["scorer.safetensors"]
+    again = ScorerWeights.load(path, "fingerprint-a", 2)
+    assert torch.equal(again.sites, weights.sites) and again.lm == 0.75
+    with pytest.raises(ValueError, match="another model"):
+        ScorerWeights.load(path, "fingerprint-b")
+    with pytest.raises(ValueError, match="hold 2 sites; the model has 3"):
+        ScorerWeights.load(path, "fingerprint-a", 3)
+    path.write_bytes(b"damaged")
+    with pytest.raises(ValueError, match="unreadable"):
+        ScorerWeights.load(path)
+    with pytest.raises(ValueError, match="no examples"):
+        fit_weights([], weights)
