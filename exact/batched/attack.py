@@ -12,6 +12,7 @@ coefficient (1/B when it is right) says which are doubtful.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -37,7 +38,9 @@ class BatchedOptions(OptionGroup):
         tolerance: ...or once the residual energy of the first site's rows falls below this fraction.
         lm_weight: Weight of the global model's next-token log-probability in the search.
         beam: Prefixes kept per sequence.
-        refine: Passes of coordinate-wise refinement: each sequence grown again with the others' inputs known.
+        refine: Passes of coordinate-wise refinement at most: each sequence grown again with the others' inputs
+            known. With the server's simulation (the audit), a pass is kept only if it lowers the refit residual,
+            and the first that does not ends them.
         screen_sites: Every extension is first scored by this many sites alone (the forward pass stops there)...
         shortlist: ...and only this many per sequence run through every site (0 with either: every extension
             through every site).
@@ -51,8 +54,8 @@ class BatchedOptions(OptionGroup):
     beam: int = 4
     label_candidates: int = 16
     refine: int = 1
-    screen_sites: int = 4
-    shortlist: int = 32
+    screen_sites: int = 8
+    shortlist: int = 64
 
     def _check(self) -> None:
         if self.picks_per_sequence < 1:
@@ -78,6 +81,7 @@ class BatchedResult:
     bag: list[int]
     residual: float | None = None  #: the least-squares check's relative residual (None: not checked)
     coefficients: list[float] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)  #: each phase's wall time (bag, search, refine, check)
 
     @property
     def certified(self) -> bool:
@@ -106,30 +110,58 @@ class BatchedLoRA:
     def attack(self, update: dict[str, Tensor], batch_size: int, length: int,
                simulate: Callable[[list[list[int]]], Tensor] | None = None, flat: Tensor | None = None) -> BatchedResult:
         """`update`: {name: gradient} of one client (B sequences of `length` tokens averaged)."""
+        clock = _Clock()
         rows = [site.rows(update).double() for site in self.sites]
         bag = somp(rows[0] @ self.whitening.vocabulary, self.dictionary,
                    self.options.picks_per_sequence * batch_size, self.options.tolerance).tokens
+        clock.lap("bag")
         if not bag:
-            return BatchedResult([[0] * length for _ in range(batch_size)], [[0.0] * length] * batch_size, [])
+            return BatchedResult([[0] * length for _ in range(batch_size)], [[0.0] * length] * batch_size, [],
+                                 seconds=clock.seconds)
         scorer = SpanScorer(rows, self.whitening.sites, self.site_weights)
         labels: list[list[int]] = []
         sequences, margins = grow_sequences(self.target, self.sites, scorer, bag, batch_size, length,
                                             self.options.lm_weight, beam=self.options.beam,
                                             label_candidates=self.options.label_candidates, labels=labels,
                                             **self._screen)
-        for _ in range(self.options.refine if batch_size > 1 else 0):
-            sequences = refine_sequences(self.target, self.sites, scorer, bag, sequences, self.options.lm_weight,
-                                         self.options.beam, **self._screen)
-            labels = likeliest_labels(self.target, sequences, self.options.label_candidates)
-            for sequence, label in zip(sequences, labels):
+        clock.lap("search")
+        # With the server's simulation at hand, a pass is kept only if it lowers the refit residual (last tokens
+        # the LM's guesses in both), and passes stop at the first that does not.
+        checked = simulate is not None and flat is not None
+        passes = self.options.refine if batch_size > 1 else 0
+        residual = least_squares_check(flat, simulate(sequences))[0] if checked and passes else None
+        for _ in range(passes):
+            refined = refine_sequences(self.target, self.sites, scorer, bag, sequences, self.options.lm_weight,
+                                       self.options.beam, **self._screen)
+            refined_labels = likeliest_labels(self.target, refined, self.options.label_candidates)
+            for sequence, label in zip(refined, refined_labels):
                 sequence[-1] = label[0]
-        result = BatchedResult(sequences, margins, bag)
+            if checked:
+                after = least_squares_check(flat, simulate(refined))[0]
+                if after >= residual:
+                    break
+                residual = after
+            sequences, labels = refined, refined_labels
+        clock.lap("refine")
+        result = BatchedResult(sequences, margins, bag, seconds=clock.seconds)
         if simulate is not None and flat is not None:
             if self.options.label_candidates > 1 and labels:
                 sequences = refit_labels(flat, simulate, sequences, labels)
                 result.sequences = sequences
             result.residual, result.coefficients = least_squares_check(flat, simulate(sequences))
+            clock.lap("check")
         return result
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._last
+        self._last = now
 
 
 def least_squares_check(update: Tensor, per_sequence: Tensor) -> tuple[float, list[float]]:

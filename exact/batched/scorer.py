@@ -103,16 +103,18 @@ def extension_examples(target: nn.Module, sites: list[Site], scorer: SpanScorer,
     where = {token: k for k, token in enumerate(bag)}
     truth_inputs = capture_site_inputs(target, sites, lambda: base(ids[:, :-1]))  # (B, L-1, d) per site
     examples = []
+    batch = ids.shape[0]
+    rows = torch.arange(batch, device=device).repeat_interleave(len(bag))
     for p in range(1, ids.shape[1] - 1):
         run = Prefixes(target, sites, ids[:, :p])
-        for i in range(ids.shape[0]):
-            known = [torch.cat([h[:, :p].reshape(-1, h.shape[-1]), h[:i, p]]) for h in truth_inputs]
+        hidden = run.extend(rows, candidates.repeat(batch))  # every sequence's extensions in one pass
+        for i in range(batch):
             true = where.get(int(ids[i, p]))
             if true is None:
                 continue
-            rows = torch.full_like(candidates, i)
-            hidden = run.extend(rows, candidates)
-            examples.append(Example(scorer.terms(hidden, scorer.bases(known)).cpu(),
+            known = [torch.cat([h[:, :p].reshape(-1, h.shape[-1]), h[:i, p]]) for h in truth_inputs]
+            mine = slice(i * len(bag), (i + 1) * len(bag))
+            examples.append(Example(scorer.terms([h[mine] for h in hidden], scorer.bases(known)).cpu(),
                                     run.logp[i, candidates].double().cpu(), true))
     return examples
 
@@ -157,3 +159,26 @@ def accuracy_at_one(examples: list[Example], weights: ScorerWeights) -> float:
 
 def describe(weights: ScorerWeights) -> str:
     return json.dumps({"sites": [round(float(w), 3) for w in weights.sites], "lm": round(weights.lm, 3)})
+
+
+def fit_scorer(target: nn.Module, sites: list[Site], whitening, observe, blocks: Tensor, batch_size: int,
+               updates: int, start: ScorerWeights, picks_per_sequence: int = 16, say=print) -> ScorerWeights:
+    """The learned scorer fitted on `updates` updates the server simulates of its own `blocks` (N, L), B of
+    them per update, taken in order: `observe(ids)` returns the {name: gradient} the server would read of a
+    client sending the update of `ids` (B, L). Raises ValueError when the blocks hold fewer than one update."""
+    from exact.batched.bag import somp
+    from exact.batched.whitening import vocabulary_inputs
+
+    updates = min(updates, blocks.shape[0] // batch_size)
+    if updates < 1:
+        raise ValueError(f"the learned scorer needs at least {batch_size} auxiliary blocks beyond the whitening's")
+    dictionary = vocabulary_inputs(target) @ whitening.vocabulary
+    examples: list[Example] = []
+    for k in range(updates):
+        ids = blocks[k * batch_size : (k + 1) * batch_size]
+        split = observe(ids)
+        rows = [site.rows(split).double() for site in sites]
+        bag = somp(rows[0] @ whitening.vocabulary, dictionary, picks_per_sequence * batch_size).tokens
+        examples += extension_examples(target, sites, SpanScorer(rows, whitening.sites), bag, ids)
+        say(f"learned scorer: simulated update {k + 1}/{updates}, {len(examples)} extensions")
+    return fit_weights(examples, start)

@@ -170,41 +170,49 @@ class Prefixes:
 def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag: list[int], batch_size: int,
                    length: int, lm_weight: float = 0.0, deflate: bool = True, beam: int = 1,
                    label_candidates: int = 1, labels: list[list[int]] | None = None,
-                   extra_known: list[Tensor] | None = None, screen_sites: int = 0,
+                   others: list[list[Tensor]] | None = None, screen_sites: int = 0,
                    shortlist: int = 0) -> tuple[list[list[int]], list[list[float]]]:
     """B sequences of `length` tokens grown over the bag (each token usable any number of times), and each
     chosen token's margin over the runner-up (a confidence; the last token's is its LM log-probability
     margin). `labels`, if given, receives each sequence's `label_candidates` likeliest last tokens.
-    `extra_known`: inputs (n, d) per site known beforehand (other sequences' all positions, when refining).
+
+    Deflation: by default the sequences grow *jointly*: a candidate is scored with every sequence's chosen
+    prefix known, and the sequences before it at this position. `others[i]` (inputs (n, d) per site, when
+    refining: every other sequence's inputs as last found) makes sequence i grow on its own instead, with
+    those and its own prefix known.
+
     `screen_sites`, `shortlist`: when both are set, every extension is first scored by the first
-    `screen_sites` sites alone (the forward pass stops there; deflated by the inputs known when the position
-    starts) and only the `shortlist` best per sequence run through every site; 0 scores every extension at
-    every site.
+    `screen_sites` sites alone, weighed alike (the forward pass stops there; deflated by the inputs known
+    when the position starts), and only the `shortlist` best per sequence run through every site; 0 scores
+    every extension at every site.
 
     The extensions of all B sequences' beams run through the model together (their inputs do not depend on
     each other); only their scores do, through deflation, so the choices are made sequence by sequence."""
-
-    def with_extra(known: list[Tensor] | None) -> list[Tensor] | None:
-        if extra_known is None:
-            return known
-        if known is None:
-            return extra_known
-        return [torch.cat([e.to(k), k]) for e, k in zip(extra_known, known)]
-
+    if others is not None and len(others) != batch_size:
+        raise ValueError(f"others holds {len(others)} sequences' inputs for {batch_size} sequences")
     labels = [] if labels is None else labels
     lm, base, device = _decoder(target)
     candidates = torch.tensor(bag, dtype=torch.long, device=device)
     sequences: list[list[int]] = [[] for _ in range(batch_size)]
     margins: list[list[float]] = [[] for _ in range(batch_size)]
+
+    def joined(parts: list[list[Tensor]]) -> list[Tensor]:
+        """Per site, the rows of every part (each a list of (n, d) per site) stacked."""
+        return [torch.cat([part[site].to(parts[-1][site]) for part in parts]) for site in range(len(sites))]
+
     # Position 0: every sequence's first input is a bag token alone; no prefix, no prior.
     hidden = capture_site_inputs(target, sites, lambda: lm(candidates[:, None]))
     first = [h[:, 0] for h in hidden]
     chosen_rows: list[int] = []
-    for _ in range(batch_size):
-        # Greedy within the position: each first token picked is known when the next is scored.
-        known = with_extra([f[chosen_rows] for f in first]) if deflate else None
+    for i in range(batch_size):
+        if not deflate:
+            known = None
+        elif others is not None:
+            known = others[i]
+        else:  # greedy within the position: each first token picked is known when the next is scored
+            known = [f[chosen_rows] for f in first]
         scores = scorer.score(first, scorer.bases(known))
-        if chosen_rows and deflate:
+        if chosen_rows and deflate and others is None:
             scores[chosen_rows] = -float("inf")
         chosen_rows.append(int(scores.argmax()))
     for i, row in enumerate(chosen_rows):
@@ -225,8 +233,16 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
                 margins[i].append(float(top.values[i, 0] - top.values[i, 1]))
             labels[:] = top.indices[:, :label_candidates].tolist()
             break
-        # Deflation: every sequence's chosen prefix (the search's own choices) is known.
-        known = with_extra([h[best_rows].reshape(-1, h.shape[-1]) for h in run.inputs]) if deflate else None
+        prefix_inputs = [[h[row] for h in run.inputs] for row in best_rows]  # each sequence's chosen prefix
+
+        def known_at_start(i: int) -> list[Tensor] | None:
+            """What sequence i's scores are deflated by when the position starts."""
+            if not deflate:
+                return None
+            if others is not None:
+                return joined([others[i], prefix_inputs[i]])
+            return joined(prefix_inputs)
+
         rows = torch.arange(len(flat), device=device).repeat_interleave(len(bag))
         tokens = candidates.repeat(len(flat))
         owner = torch.tensor(owners, device=device)[rows]
@@ -234,22 +250,29 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
         prior = lm_weight * run.logp[rows, tokens].double()
         if 0 < screen_sites < len(sites) and 0 < shortlist < max(len(b) for b in beams) * len(bag):
             screen = range(screen_sites)
-            early = cumulative + prior + scorer.score(run.extend(rows, tokens, screen_sites), scorer.bases(known), screen)
+            early_inputs = run.extend(rows, tokens, screen_sites)
             keep = []
+            shared = scorer.bases(known_at_start(0)) if others is None else None
             for i in range(batch_size):
                 mine = (owner == i).nonzero()[:, 0]
-                keep.append(mine[early[mine].topk(min(shortlist, mine.numel())).indices])
+                # The screen weighs its sites alike whatever the scorer's weights: it is there to keep the true
+                # extension (a learned scorer may lean on later sites and leave the first ones little weight).
+                bases = shared if shared is not None else scorer.bases(known_at_start(i))
+                early = scorer.terms([h[mine] for h in early_inputs], bases, screen).sum(1)
+                total = cumulative[mine] + prior[mine] + early
+                keep.append(mine[total.topk(min(shortlist, mine.numel())).indices])
             kept = torch.cat(keep)
             rows, tokens, owner, cumulative, prior = rows[kept], tokens[kept], owner[kept], cumulative[kept], prior[kept]
         inputs = run.extend(rows, tokens)
         sources: list[int] = []  # the next position's prefixes: their rows in `run` and their new tokens
         chosen: list[int] = []
+        known = known_at_start(0) if others is None else None
         for i in range(batch_size):
             # Joint: the inputs the sequences before this one chose at p are known too, so two sequences do not
             # both take the direction one true input explains.
             mine = (owner == i).nonzero()[:, 0]
-            step = scorer.score([h[mine] for h in inputs], scorer.bases(known)) + prior[mine]
-            total = cumulative[mine] + step
+            step = scorer.score([h[mine] for h in inputs], scorer.bases(known if others is None else known_at_start(i)))
+            total = cumulative[mine] + step + prior[mine]
             keep_i = total.topk(min(beam, total.numel())).indices
             beams[i] = [(flat[int(rows[mine[k]])][0] + [int(tokens[mine[k]])], float(total[k])) for k in keep_i]
             sources += [int(rows[mine[k]]) for k in keep_i]
@@ -276,22 +299,19 @@ def _reorder(cache, rows: Tensor):
 def refine_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag: list[int],
                      sequences: list[list[int]], lm_weight: float = 0.0, beam: int = 1, screen_sites: int = 0,
                      shortlist: int = 0) -> list[list[int]]:
-    """One pass of coordinate-wise refinement: each sequence grown again with every other sequence's inputs
-    (all their positions) known. With the others right, the rows' unknown inputs are this sequence's own
-    L - 1, fewer than a site's 2r rows at L <= 2r: the span test becomes a membership test."""
+    """One pass of refinement: every sequence grown again with every other sequence's inputs (all their
+    positions, as found so far) known. With the others right, the rows' unknown inputs are this sequence's
+    own L - 1, fewer than a site's 2r rows at L <= 2r: the span test becomes a membership test. The B
+    sequences regrow together (each against the others' previous inputs), in one search."""
     _, base, device = _decoder(target)
-    out = [list(s) for s in sequences]
-    length = len(out[0])
-    for i in range(len(out)):
-        others = [s[:-1] for j, s in enumerate(out) if j != i]
-        extra = None
-        if others:
-            ids = torch.tensor(others, dtype=torch.long, device=device)
-            extra = [h.reshape(-1, h.shape[-1]) for h in capture_site_inputs(target, sites, lambda ids=ids: base(ids))]
-        grown, _ = grow_sequences(target, sites, scorer, bag, 1, length, lm_weight, beam=beam, extra_known=extra,
-                                  screen_sites=screen_sites, shortlist=shortlist)
-        out[i] = grown[0][:-1] + [out[i][-1]]  # the last token stays the refit's to choose
-    return out
+    if len(sequences) < 2:
+        return [list(s) for s in sequences]
+    ids = torch.tensor([s[:-1] for s in sequences], dtype=torch.long, device=device)
+    inputs = capture_site_inputs(target, sites, lambda: base(ids))  # (B, L - 1, d) per site
+    others = [[torch.cat([h[:i], h[i + 1 :]]).reshape(-1, h.shape[-1]) for h in inputs] for i in range(len(sequences))]
+    grown, _ = grow_sequences(target, sites, scorer, bag, len(sequences), len(sequences[0]), lm_weight, beam=beam,
+                              others=others, screen_sites=screen_sites, shortlist=shortlist)
+    return [g[:-1] + [s[-1]] for g, s in zip(grown, sequences)]  # the last token stays the refit's to choose
 
 
 @torch.no_grad()

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from exact.batched import BatchedOptions
 from lti.candidates.decoding import DECODERS
 
 FLOWER_DP = ("none", "local_dp", "fixed_clipping")
@@ -106,8 +107,13 @@ class AttackOptions:
         batched: The batched LoRA attack on every attacked update (`exact.batched`): whitened bag recovery, a
             joint search of the B sequences scored by every layer's whitened span test and the global model's
             prior, and a least-squares check of the result against the update. Needs no trained checkpoint.
-        batched_beam: Prefixes the batched attack keeps per sequence.
-        batched_lm_weight: Weight of the global model's next-token log-probability in its search.
+        batched_search: The batched attack's bag recovery and search (beam, prior weight, refinement, screen).
+        batched_scorer: A learned scorer's weights file for the batched search (`exact.batched.scorer`: one weight
+            per site and one for the prior, replacing `batched_search.lm_weight`); None: fitted by the audit itself
+            (see `batched_scorer_updates`).
+        batched_scorer_updates: Without a weights file, the audit fits the learned scorer on this many updates of
+            B sequences it simulates from its own auxiliary blocks (after the whitening's; cached in the run
+            folder); 0: every site weighs 1 (the hand-set score).
         whitening_blocks: Auxiliary (server) blocks the batched attack's whitening statistics are computed on.
         checkpoint: The server's learned inverter (an `lti fit` checkpoint trained under `threat_model`); None: no learned attack.
         pointer: The candidate pointer (`pointer.safetensors` of `lti candidates fit`, trained on candidates of
@@ -124,8 +130,9 @@ class AttackOptions:
     rounds: list[int] | None = None
     dager: bool = True
     batched: bool = True
-    batched_beam: int = 4
-    batched_lm_weight: float = 0.5
+    batched_search: BatchedOptions = field(default_factory=BatchedOptions)
+    batched_scorer: str | None = None
+    batched_scorer_updates: int = 4
     whitening_blocks: int = 256
     checkpoint: str | None = None
     pointer: str | None = None
@@ -145,10 +152,8 @@ class AttackOptions:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"attacks.{name}={value} must be finite and >= 0")
-        if self.batched_beam < 1:
-            raise ValueError(f"attacks.batched_beam={self.batched_beam} must be >= 1")
-        if not (math.isfinite(self.batched_lm_weight) and self.batched_lm_weight >= 0):
-            raise ValueError(f"attacks.batched_lm_weight={self.batched_lm_weight} must be finite and >= 0")
+        if self.batched_scorer_updates < 0:
+            raise ValueError(f"attacks.batched_scorer_updates={self.batched_scorer_updates} must be >= 0")
         if self.whitening_blocks < 1:
             raise ValueError(f"attacks.whitening_blocks={self.whitening_blocks} must be >= 1")
         if self.probe_sequences < 0:

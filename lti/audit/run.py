@@ -18,7 +18,8 @@ files, checked whenever they are read. The attacks' scores of each set of attack
 their own, `attacks-<hash of the options>.json`: a rerun with other options adds its scores beside the
 earlier ones. One audit at a time writes the folder (the lock `lti fit` takes on its checkpoint folders),
 and a start that fails before its first round leaves the folder as it was. The corpus' copies of the
-clients' text (`$LTI_TEXT_CACHE_DIR`) go to `corpus_cache/` in the folder.
+clients' text (`$LTI_TEXT_CACHE_DIR`) go to `corpus_cache/` in the folder; the batched attack's whitening
+statistics to `whitening/`, one file per model and auxiliary blocks.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ from lti.audit.options import AuditOptions
 FOLDER_FORMAT = 2
 #: The folder under out_dir for the corpus' copies of the clients' text (`$LTI_TEXT_CACHE_DIR`).
 TEXT_CACHE = "corpus_cache"
+#: The batched attack's whitening statistics (server data: the global model's inputs on its auxiliary text),
+#: one file per model and auxiliary blocks, so a rerun or a resumed audit does not compute them again.
+WHITENING = "whitening"
 #: The round files written with a checksum, in the order they are written.
 ROUND_FILES = ("sent.safetensors", "replies.safetensors", "after.safetensors", "batches.safetensors")
 
@@ -257,15 +261,65 @@ class Audit:
         """The batched LoRA attack, its whitening computed on the server's auxiliary text (cached in the run
         folder: server data only, keyed by the global model's fingerprint)."""
         from datamodules.federated.pipeline import target_fingerprint
-        from exact.batched import BatchedLoRA, BatchedOptions, SiteWhitening, adapter_sites
+        from exact.batched import BatchedLoRA, SiteWhitening, adapter_sites
 
         attacks = self.options.attacks
         sites = adapter_sites(list(self.server.names))
         blocks = aux_ids[: attacks.whitening_blocks]
-        whitening = SiteWhitening.load_or_fit(None, self.server.target, sites, blocks,
-                                              target_fingerprint(self.server.target), say=self.say)
-        options = BatchedOptions(lm_weight=attacks.batched_lm_weight, beam=attacks.batched_beam)
-        return BatchedLoRA(self.server.target, list(self.server.names), whitening, options)
+        fingerprint = target_fingerprint(self.server.target)
+        path = self.out / WHITENING / f"{SiteWhitening.key(fingerprint, sites, blocks)}.safetensors"
+        whitening = SiteWhitening.load_or_fit(path, self.server.target, sites, blocks, fingerprint, say=self.say)
+        options, weights = attacks.batched_search, None
+        if attacks.batched_scorer is not None:
+            from exact.batched.scorer import ScorerWeights
+
+            weights = ScorerWeights.load(attacks.batched_scorer, fingerprint, len(sites))
+        elif attacks.batched_scorer_updates > 0 and self.options.federation.local_steps() == 1:
+            weights = self._fit_scorer(whitening, sites, aux_ids[attacks.whitening_blocks :], fingerprint)
+        site_weights = None
+        if weights is not None:
+            from dataclasses import replace
+
+            source = attacks.batched_scorer or (f"fitted on {attacks.batched_scorer_updates} updates of B = "
+                                                f"{self.options.federation.batch_size} simulated from the server's "
+                                                "auxiliary text")
+            self.notes.append(f"The batched attack scores extensions with a learned scorer ({source}): one weight per "
+                              f"adapted layer and {weights.lm:.2f} for the global model's prior.")
+
+            options, site_weights = replace(options, lm_weight=weights.lm), weights.sites
+        return BatchedLoRA(self.server.target, list(self.server.names), whitening, options, site_weights)
+
+    def _fit_scorer(self, whitening, sites, blocks: torch.Tensor, fingerprint: str):
+        """The batched search's learned scorer, fitted on updates of the clients' B the server simulates from its
+        auxiliary blocks (cached in the run folder beside the whitening, keyed by what it was fitted on)."""
+        from exact.batched.scorer import ScorerWeights, fit_scorer
+
+        attacks, batch = self.options.attacks, self.options.federation.batch_size
+        count = min(attacks.batched_scorer_updates * batch, blocks.shape[0])
+        if count < batch:
+            self.notes.append(f"The batched attack's learned scorer needs {batch} auxiliary blocks beyond the "
+                              f"whitening's {attacks.whitening_blocks}; the server has {blocks.shape[0]}: every site "
+                              "weighs 1.")
+            return None
+        blocks = blocks[:count]
+        digest = hashlib.sha256(json.dumps([fingerprint, batch, attacks.batched_search.lm_weight,
+                                            attacks.batched_search.picks_per_sequence, len(sites)]).encode())
+        digest.update(blocks.cpu().contiguous().numpy().tobytes())
+        path = self.out / WHITENING / f"scorer-{digest.hexdigest()[:24]}.safetensors"
+        if path.exists():
+            return ScorerWeights.load(path, fingerprint, len(sites))
+
+        def observe(ids: torch.Tensor) -> dict[str, torch.Tensor]:
+            gradient = self.clients({"input_ids": ids[None]}, keep_update=True).update
+            by_name = self.clients.split(gradient)
+            return {name: by_name[name][0].double() for name in self.server.names}
+
+        start = ScorerWeights.hand_set(len(sites), attacks.batched_search.lm_weight)
+        start.fingerprint = fingerprint
+        weights = fit_scorer(self.server.target, sites, whitening, observe, blocks, batch, attacks.batched_scorer_updates,
+                             start, attacks.batched_search.picks_per_sequence, say=self.say)
+        weights.save(path)
+        return weights
 
     # ---------------------------------------------------------------- the federation
     def _round_dir(self, r: int) -> Path:
@@ -452,7 +506,7 @@ class Audit:
 
         start = time.perf_counter()
         created = not self.out.exists()
-        present = {name: (self.out / name).exists() for name in ("audit.json", "rounds", TEXT_CACHE)}
+        present = {name: (self.out / name).exists() for name in ("audit.json", "rounds", TEXT_CACHE, WHITENING)}
         try:
             self.out.mkdir(parents=True, exist_ok=True)
             claim = lock(self.out, _in_use_message)

@@ -264,3 +264,62 @@ def test_site_weights_weigh_the_terms_and_a_wrong_count_is_refused():
     assert torch.allclose(weighed.score(hidden[:1], weighed.bases(None), range(1)), 2 * terms[:, 0])
     with pytest.raises(ValueError, match="3 site weights for 2 sites"):
         SpanScorer(rows, whitening.sites, torch.ones(3))
+
+
+def test_a_refinement_pass_is_kept_only_when_it_lowers_the_refit_residual(monkeypatch):
+    import exact.batched.attack as attack_module
+    from exact.batched import BatchedLoRA, BatchedOptions
+
+    pipe = pipeline(2)
+    ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(13))
+    update = update_of(pipe, ids)
+    flat = pipe({"input_ids": ids[None]}, keep_update=True).update[0]
+    single = pipe.with_client(FedSGDClient("eval", 1))
+
+    def simulate(sequences):
+        return single({"input_ids": torch.tensor(sequences)[:, None]}, keep_update=True).update
+
+    sites = adapter_sites(list(pipe.names))
+    whitening = SiteWhitening.fit(pipe.target, sites, torch.randint(0, VOCAB, (32, 5)))
+    options = dict(label_candidates=1, beam=2)
+    searched = BatchedLoRA(pipe.target, list(pipe.names), whitening, BatchedOptions(refine=0, **options)).attack(
+        update, 2, 5, simulate, flat).sequences
+    attack = BatchedLoRA(pipe.target, list(pipe.names), whitening, BatchedOptions(refine=3, **options))
+    calls = []
+
+    def worse(target, sites, scorer, bag, sequences, *args, **kwargs):
+        calls.append("worse")
+        return [[(t + 1) % VOCAB for t in s] for s in sequences]
+
+    monkeypatch.setattr(attack_module, "refine_sequences", worse)
+    assert attack.attack(update, 2, 5, simulate, flat).sequences == searched and calls == ["worse"]
+
+    def truth(target, sites, scorer, bag, sequences, *args, **kwargs):
+        calls.append("truth")
+        return ids.tolist()[::-1]
+
+    calls.clear()
+    monkeypatch.setattr(attack_module, "refine_sequences", truth)
+    result = attack.attack(update, 2, 5, simulate, flat)
+    # The true inputs are kept (their last tokens are the LM's guesses, so not certified); a pass that changes
+    # nothing does not lower the residual, so it is the last.
+    assert sorted(s[:-1] for s in result.sequences) == sorted(s[:-1] for s in ids.tolist())
+    assert calls in (["truth"], ["truth", "truth"])
+
+
+def test_refinement_regrows_a_wrong_sequence_against_the_others_inputs():
+    from exact.batched.search import refine_sequences
+
+    pipe = pipeline(2)
+    ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(14))
+    update = update_of(pipe, ids)
+    sites = adapter_sites(list(pipe.names))
+    whitening = SiteWhitening.fit(pipe.target, sites, torch.randint(0, VOCAB, (32, 5)))
+    bag = somp(sites[0].rows(update) @ whitening.vocabulary, vocabulary_inputs(pipe.target) @ whitening.vocabulary,
+               16).tokens
+    scorer = SpanScorer([s.rows(update) for s in sites], whitening.sites)
+    wrong = ids.tolist()
+    wrong[0][2] = next(t for t in bag if t != wrong[0][2])  # one wrong input in sequence 0
+    refined = refine_sequences(pipe.target, sites, scorer, bag, wrong, beam=2)
+    assert refined[0][:-1] == ids[0, :-1].tolist()
+    assert [s[-1] for s in refined] == [s[-1] for s in wrong]  # the labels stay the refit's

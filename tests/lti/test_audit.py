@@ -17,6 +17,7 @@ from flwr.app import ArrayRecord  # noqa: E402
 
 from datamodules.federated import FedSGDClient, LoRAClient, UpdatePipeline  # noqa: E402
 from datamodules.targets import HFCausalLM  # noqa: E402
+from exact.batched import BatchedOptions  # noqa: E402
 from lti.audit.attacks import observed_update  # noqa: E402
 from lti.audit.federation import (  # noqa: E402
     ObservedFedAvg,
@@ -209,12 +210,30 @@ def test_an_audit_writes_its_report_and_every_round(tiny_audit):
     report = (out / "report.md").read_text()
     assert "Staleness probe" not in report
     assert "| 2 | DAGER" in report and "## Reconstructions" in report
+    # The batched attack's whitening and its learned scorer (fitted by the audit on updates it simulated of its
+    # own auxiliary text) are kept in the folder, one file each for this model and text.
+    kept = sorted(p.name.startswith("scorer-") for p in (out / "whitening").glob("*.safetensors"))
+    assert kept == [False, True]
+    assert "learned scorer (fitted on 4 updates of B = 1" in report
+
+
+def test_a_learned_scorer_fitted_for_another_model_is_refused_and_nothing_is_left(tmp_path):
+    from exact.batched.scorer import ScorerWeights
+
+    weights = tmp_path / "scorer.safetensors"
+    ScorerWeights(torch.ones(2, dtype=torch.float64), 0.5, "another-model").save(weights)
+    options = AuditOptions(threat_model=TINY, out_dir=str(tmp_path / "s"), federation=FederationOptions(clients=2, rounds=1),
+                           attacks=AttackOptions(dager=False, probe_sequences=0, batched_scorer=str(weights)),
+                           utility_sequences=4)
+    with pytest.raises(ValueError, match="fitted for another model"):
+        Audit(options, say=lambda *_: None).run()
+    assert not (tmp_path / "s").exists()
 
 
 def test_the_batched_attack_reads_updates_of_several_sequences_and_checks_them_by_least_squares(tmp_path):
     options = AuditOptions(threat_model=TINY, out_dir=str(tmp_path / "b"),
                            federation=FederationOptions(clients=2, rounds=1, lr=0.5, batch_size=2),
-                           attacks=AttackOptions(dager=False, probe_sequences=0, batched_beam=2), utility_sequences=4)
+                           attacks=AttackOptions(dager=False, probe_sequences=0, batched_search=BatchedOptions(beam=2)), utility_sequences=4)
     records = Audit(options, say=lambda *_: None).run()
     batched = records[0]["attacks"]["batched"]
     assert batched["sequences"] == 4
@@ -238,8 +257,13 @@ def test_an_interrupted_audit_resumes_with_the_same_rounds(tiny_audit, tmp_path)
     for scores in (copy / "rounds" / "r001").glob("attacks-*.json"):
         scores.unlink()  # and before round 1 was attacked
     kept = (copy / "rounds" / "r001" / "replies.safetensors").stat().st_mtime_ns
+    statistics = {p.name: p.stat().st_mtime_ns for p in (copy / "whitening").iterdir()}
     resumed = Audit(AuditOptions(**{**vars(options), "out_dir": str(copy)}), say=lambda *_: None).run()
     assert (copy / "rounds" / "r001" / "replies.safetensors").stat().st_mtime_ns == kept
+    # The whitening and the learned scorer are read back, not computed again.
+    assert {p.name: p.stat().st_mtime_ns for p in (copy / "whitening").iterdir()} == statistics
+    assert [r["attacks"]["batched"]["token_acc"] for r in resumed] == [r["attacks"]["batched"]["token_acc"]
+                                                                       for r in records]
     for name in ("sent", "replies", "after", "batches"):
         assert (copy / "rounds" / "r002" / f"{name}.safetensors").read_bytes() == \
             (out / "rounds" / "r002" / f"{name}.safetensors").read_bytes()

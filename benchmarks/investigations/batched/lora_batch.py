@@ -57,9 +57,11 @@ class Setup:
         """The update each sequence alone gives (the server's own simulation, one sequence per update)."""
         return self.server({"input_ids": torch.tensor(sequences)[:, None]}, keep_update=True).update
 
-    def observed(self, ids: torch.Tensor, lr: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def observed(self, ids: torch.Tensor, lr: float,
+                 clip_norm: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The client's FedSGD step on `ids` (B, L) returned in float32 and read back by the server:
-        (flat update, {name: gradient})."""
+        (flat update, {name: gradient}). `clip_norm`: the step lr * g clipped to that norm first, as Flower's
+        `fixedclipping_mod` clips what a client returns."""
         from lti.audit.attacks import observed_update
         from lti.audit.federation import adapter_state, client_pipeline
 
@@ -69,6 +71,8 @@ class Setup:
         clients = self._clients[key]
         sent = adapter_state(clients)
         gradient = clients({"input_ids": ids[None]}, keep_update=True).update[0]
+        if clip_norm is not None:
+            gradient = gradient * min(1.0, clip_norm / float(lr * gradient.double().norm()))
         returned, start = {}, 0
         for name, shape in clients.spec.parameters:
             size = int(torch.tensor(shape).prod())
@@ -85,6 +89,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--updates", type=int, default=8)
     parser.add_argument("--split", choices=["evaluation", "auxiliary_tail"], default="evaluation")
     parser.add_argument("--lr", type=float, default=0.05, help="the clients' learning rate (the audit's default)")
+    parser.add_argument("--clip-norm", type=float, default=None,
+                        help="clip each client's step lr * g to this norm (Flower's fixedclipping_mod; the audit's DP "
+                             "table uses 0.01)")
     parser.add_argument("--lm-weight", type=float, default=0.5)
     parser.add_argument("--beam", type=int, default=4)
     parser.add_argument("--refine", type=int, default=1, help="passes of coordinate-wise refinement")
@@ -124,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
             for k in range(args.updates):
                 generator = torch.Generator().manual_seed(7919 * batch + k)
                 ids = held_out[torch.randperm(held_out.shape[0], generator=generator)[:batch]]
-                update, split = bench.observed(ids, args.lr)
+                update, split = bench.observed(ids, args.lr, args.clip_norm)
                 began = time.perf_counter()
                 found = attack.attack(split, batch, ids.shape[1], simulate if args.label_candidates > 0 else None,
                                       update)
@@ -138,7 +145,8 @@ def main(argv: list[str] | None = None) -> None:
                        "rouge2": scores["rouge2"], "exact": scores["exact_fraction"],
                        "seconds": seconds, "residual": found.residual, "certified": found.certified,
                        "label_candidates": args.label_candidates, "refine": args.refine,
-                       "screen_sites": args.screen_sites, "shortlist": args.shortlist, "scorer": args.scorer}
+                       "screen_sites": args.screen_sites, "shortlist": args.shortlist, "scorer": args.scorer, "clip_norm": args.clip_norm,
+                       "phase_seconds": {k: round(v, 2) for k, v in found.seconds.items()}}
                 log.write(json.dumps(row) + "\n")
                 log.flush()
                 print(json.dumps(row), flush=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -67,7 +68,8 @@ def main(argv: list[str] | None = None) -> None:
     start = ScorerWeights.hand_set(len(bench.sites), args.lm_weight)
     start.fingerprint = bench.fingerprint
     fitted = fit_weights(training, start, l2=args.l2)
-    summary = {"command": "python -m benchmarks.investigations.batched.train_scorer " + " ".join(argv or []),
+    summary = {"command": "python -m benchmarks.investigations.batched.train_scorer " + " ".join(
+                   sys.argv[1:] if argv is None else argv),
                "batch_sizes": args.batch_sizes, "updates": args.updates, "training_examples": len(training),
                "collect_seconds": round(collected, 1), "fit_seconds": round(time.perf_counter() - began - collected, 1),
                "train_top1": {"hand_set": accuracy_at_one(training, start), "fitted": accuracy_at_one(training, fitted)},
