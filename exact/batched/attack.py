@@ -38,9 +38,9 @@ class BatchedOptions(OptionGroup):
         tolerance: ...or once the residual energy of the first site's rows falls below this fraction.
         lm_weight: Weight of the global model's next-token log-probability in the search.
         beam: Prefixes kept per sequence.
-        refine: Passes of coordinate-wise refinement at most: each sequence grown again with the others' inputs
-            known. With the server's simulation (the audit), a pass is kept only if it lowers the refit residual,
-            and the first that does not ends them.
+        refine: Passes of refinement at most: every sequence grown again with the others' inputs known. With the
+            server's simulation (the audit), a refined sequence is kept only if it lowers the refit residual, and
+            the first pass that keeps none ends them.
         screen_sites: Every extension is first scored by this many sites alone (the forward pass stops there)...
         shortlist: ...and only this many per sequence run through every site (0 with either: every extension
             through every site).
@@ -53,7 +53,7 @@ class BatchedOptions(OptionGroup):
     lm_weight: float = 0.5
     beam: int = 4
     label_candidates: int = 16
-    refine: int = 1
+    refine: int = 2
     screen_sites: int = 8
     shortlist: int = 64
 
@@ -125,23 +125,36 @@ class BatchedLoRA:
                                             label_candidates=self.options.label_candidates, labels=labels,
                                             **self._screen)
         clock.lap("search")
-        # With the server's simulation at hand, a pass is kept only if it lowers the refit residual (last tokens
-        # the LM's guesses in both), and passes stop at the first that does not.
+        # With the server's simulation at hand, each sequence's refined version is kept only if it lowers the
+        # refit residual (last tokens the LM's guesses), one sequence at a time; passes stop at the first that
+        # keeps none. Without it, every pass is kept.
         checked = simulate is not None and flat is not None
         passes = self.options.refine if batch_size > 1 else 0
-        residual = least_squares_check(flat, simulate(sequences))[0] if checked and passes else None
+        current = simulate(sequences) if checked and passes else None
+        residual = least_squares_check(flat, current)[0] if current is not None else None
         for _ in range(passes):
             refined = refine_sequences(self.target, self.sites, scorer, bag, sequences, self.options.lm_weight,
                                        self.options.beam, **self._screen)
             refined_labels = likeliest_labels(self.target, refined, self.options.label_candidates)
             for sequence, label in zip(refined, refined_labels):
                 sequence[-1] = label[0]
-            if checked:
-                after = least_squares_check(flat, simulate(refined))[0]
-                if after >= residual:
-                    break
-                residual = after
-            sequences, labels = refined, refined_labels
+            if current is None:
+                sequences, labels = refined, refined_labels
+                continue
+            trials = simulate(refined)
+            kept = 0
+            for i in range(batch_size):
+                if refined[i] == sequences[i]:
+                    continue
+                trial = current.clone()
+                trial[i] = trials[i]
+                after = least_squares_check(flat, trial)[0]
+                if after < residual:
+                    sequences[i], current, residual, kept = refined[i], trial, after, kept + 1
+                    if labels:
+                        labels[i] = refined_labels[i]
+            if not kept:
+                break
         clock.lap("refine")
         result = BatchedResult(sequences, margins, bag, seconds=clock.seconds)
         if simulate is not None and flat is not None:

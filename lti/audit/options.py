@@ -113,7 +113,8 @@ class AttackOptions:
             (see `batched_scorer_updates`).
         batched_scorer_updates: Without a weights file, the audit fits the learned scorer on this many updates of
             B sequences it simulates from its own auxiliary blocks (after the whitening's; cached in the run
-            folder); 0: every site weighs 1 (the hand-set score).
+            folder); 0: every site weighs 1 (the hand-set score; on held-out text it read as well or better than the
+            learned weights, docs/audit.md).
         whitening_blocks: Auxiliary (server) blocks the batched attack's whitening statistics are computed on.
         checkpoint: The server's learned inverter (an `lti fit` checkpoint trained under `threat_model`); None: no learned attack.
         pointer: The candidate pointer (`pointer.safetensors` of `lti candidates fit`, trained on candidates of
@@ -132,7 +133,7 @@ class AttackOptions:
     batched: bool = True
     batched_search: BatchedOptions = field(default_factory=BatchedOptions)
     batched_scorer: str | None = None
-    batched_scorer_updates: int = 4
+    batched_scorer_updates: int = 0
     whitening_blocks: int = 256
     checkpoint: str | None = None
     pointer: str | None = None

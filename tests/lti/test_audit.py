@@ -210,11 +210,8 @@ def test_an_audit_writes_its_report_and_every_round(tiny_audit):
     report = (out / "report.md").read_text()
     assert "Staleness probe" not in report
     assert "| 2 | DAGER" in report and "## Reconstructions" in report
-    # The batched attack's whitening and its learned scorer (fitted by the audit on updates it simulated of its
-    # own auxiliary text) are kept in the folder, one file each for this model and text.
-    kept = sorted(p.name.startswith("scorer-") for p in (out / "whitening").glob("*.safetensors"))
-    assert kept == [False, True]
-    assert "learned scorer (fitted on 4 updates of B = 1" in report
+    # The batched attack's whitening is kept in the folder (one file for this model and auxiliary text).
+    assert len(list((out / "whitening").glob("*.safetensors"))) == 1
 
 
 def test_a_learned_scorer_fitted_for_another_model_is_refused_and_nothing_is_left(tmp_path):
@@ -233,8 +230,14 @@ def test_a_learned_scorer_fitted_for_another_model_is_refused_and_nothing_is_lef
 def test_the_batched_attack_reads_updates_of_several_sequences_and_checks_them_by_least_squares(tmp_path):
     options = AuditOptions(threat_model=TINY, out_dir=str(tmp_path / "b"),
                            federation=FederationOptions(clients=2, rounds=1, lr=0.5, batch_size=2),
-                           attacks=AttackOptions(dager=False, probe_sequences=0, batched_search=BatchedOptions(beam=2)), utility_sequences=4)
+                           attacks=AttackOptions(dager=False, probe_sequences=0, batched_search=BatchedOptions(beam=2),
+                                                 batched_scorer_updates=2), utility_sequences=4)
     records = Audit(options, say=lambda *_: None).run()
+    # The learned scorer, fitted by the audit on updates it simulated of its own auxiliary text, is kept beside
+    # the whitening and named in the report.
+    kept = sorted(p.name.startswith("scorer-") for p in (tmp_path / "b" / "whitening").glob("*.safetensors"))
+    assert kept == [False, True]
+    assert "learned scorer (fitted on 2 updates of B = 2" in (tmp_path / "b" / "report.md").read_text()
     batched = records[0]["attacks"]["batched"]
     assert batched["sequences"] == 4
     # 2 x 7 visible tokens, fewer than the 16 lora_A rows of a site: the whole bag is found

@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", default="configs/audit/inverter_smollm2_lora.yaml", help="the threat model")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--updates", type=int, default=8)
+    parser.add_argument("--first-update", type=int, default=0, help="the first update's index (its draw's seed)")
     parser.add_argument("--split", choices=["evaluation", "auxiliary_tail"], default="evaluation")
     parser.add_argument("--lr", type=float, default=0.05, help="the clients' learning rate (the audit's default)")
     parser.add_argument("--clip-norm", type=float, default=None,
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
                              "table uses 0.01)")
     parser.add_argument("--lm-weight", type=float, default=0.5)
     parser.add_argument("--beam", type=int, default=4)
-    parser.add_argument("--refine", type=int, default=1, help="passes of coordinate-wise refinement")
+    parser.add_argument("--refine", type=int, default=BatchedOptions.refine, help="passes of refinement at most")
     parser.add_argument("--label-candidates", type=int, default=16,
                         help="last tokens chosen by the least-squares refit among the LM's top k (0: no refit)")
     parser.add_argument("--screen-sites", type=int, default=BatchedOptions.screen_sites,
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("a") as log:
         for batch in args.batch_sizes:
-            for k in range(args.updates):
+            for k in range(args.first_update, args.first_update + args.updates):
                 generator = torch.Generator().manual_seed(7919 * batch + k)
                 ids = held_out[torch.randperm(held_out.shape[0], generator=generator)[:batch]]
                 update, split = bench.observed(ids, args.lr, args.clip_norm)
