@@ -3,6 +3,8 @@ LoRA Llama (d = 64, two layers, q/v adapters of rank 8: 16 rows per site)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
@@ -29,6 +31,30 @@ def pipeline(batch: int) -> UpdatePipeline:
 def update_of(pipe: UpdatePipeline, ids: torch.Tensor) -> dict[str, torch.Tensor]:
     observed = pipe({"input_ids": ids[None]}, keep_update=True)
     return {name: grads[0].double() for name, grads in pipe.split(observed.update).items()}
+
+
+@dataclass
+class TinyBatch:
+    """A tiny LoRA update of B sequences and what the attack builds on it (whitening, bag, scorer)."""
+
+    pipe: UpdatePipeline
+    ids: torch.Tensor
+    update: dict[str, torch.Tensor]
+    sites: list
+    whitening: SiteWhitening
+    bag: list[int]
+    scorer: SpanScorer
+
+
+def tiny_batch(seed: int, batch: int = 2, length: int = 5) -> TinyBatch:
+    pipe = pipeline(batch)
+    ids = torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+    update = update_of(pipe, ids)
+    sites = adapter_sites(list(pipe.names))
+    whitening = SiteWhitening.fit(pipe.target, sites, torch.randint(0, VOCAB, (32, length)))
+    x0 = vocabulary_inputs(pipe.target)
+    bag = somp(sites[0].rows(update) @ whitening.vocabulary, x0 @ whitening.vocabulary, 16).tokens
+    return TinyBatch(pipe, ids, update, sites, whitening, bag, SpanScorer([s.rows(update) for s in sites], whitening.sites))
 
 
 def naive_somp(rows: torch.Tensor, atoms: torch.Tensor, picks: int) -> list[int]:
@@ -155,14 +181,8 @@ def test_the_span_score_ranks_a_true_input_above_the_others_and_deflation_is_a_p
 
 
 def test_the_search_returns_b_sequences_of_the_asked_length_made_of_bag_tokens():
-    pipe = pipeline(2)
-    ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(6))
-    update = update_of(pipe, ids)
-    sites = adapter_sites(list(pipe.names))
-    whitening = SiteWhitening.fit(pipe.target, sites, torch.randint(0, VOCAB, (32, 5)))
-    x0 = vocabulary_inputs(pipe.target)
-    bag = somp(sites[0].rows(update) @ whitening.vocabulary, x0 @ whitening.vocabulary, 16).tokens
-    scorer = SpanScorer([s.rows(update) for s in sites], whitening.sites)
+    t = tiny_batch(6)
+    pipe, ids, sites, bag, scorer = t.pipe, t.ids, t.sites, t.bag, t.scorer
     sequences, margins = grow_sequences(pipe.target, sites, scorer, bag, 2, 5, lm_weight=0.0, beam=2)
     assert len(sequences) == 2 and all(len(s) == 5 for s in sequences) and all(len(m) == 5 for m in margins)
     assert all(t in bag for s in sequences for t in s[:-1])
@@ -233,14 +253,8 @@ def test_the_prior_from_the_last_position_and_the_cached_extension_equal_full_re
 def test_a_screened_search_finds_what_the_full_search_finds_when_the_first_site_is_exact():
     # 2 sequences of 5 tokens: 8 visible tokens < 16 rows, so the first site alone is a membership test and the
     # true extension survives any shortlist; screening must not change the result.
-    pipe = pipeline(2)
-    ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(6))
-    update = update_of(pipe, ids)
-    sites = adapter_sites(list(pipe.names))
-    whitening = SiteWhitening.fit(pipe.target, sites, torch.randint(0, VOCAB, (32, 5)))
-    x0 = vocabulary_inputs(pipe.target)
-    bag = somp(sites[0].rows(update) @ whitening.vocabulary, x0 @ whitening.vocabulary, 16).tokens
-    scorer = SpanScorer([s.rows(update) for s in sites], whitening.sites)
+    t = tiny_batch(6)
+    pipe, ids, sites, bag, scorer = t.pipe, t.ids, t.sites, t.bag, t.scorer
     full, _ = grow_sequences(pipe.target, sites, scorer, bag, 2, 5, beam=2)
     screened, _ = grow_sequences(pipe.target, sites, scorer, bag, 2, 5, beam=2, screen_sites=1, shortlist=3)
     assert screened == full
@@ -310,14 +324,8 @@ def test_a_refinement_pass_is_kept_only_when_it_lowers_the_refit_residual(monkey
 def test_refinement_regrows_a_wrong_sequence_against_the_others_inputs():
     from exact.batched.search import refine_sequences
 
-    pipe = pipeline(2)
-    ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(14))
-    update = update_of(pipe, ids)
-    sites = adapter_sites(list(pipe.names))
-    whitening = SiteWhitening.fit(pipe.target, sites, torch.randint(0, VOCAB, (32, 5)))
-    bag = somp(sites[0].rows(update) @ whitening.vocabulary, vocabulary_inputs(pipe.target) @ whitening.vocabulary,
-               16).tokens
-    scorer = SpanScorer([s.rows(update) for s in sites], whitening.sites)
+    t = tiny_batch(14)
+    pipe, ids, sites, bag, scorer = t.pipe, t.ids, t.sites, t.bag, t.scorer
     wrong = ids.tolist()
     wrong[0][2] = next(t for t in bag if t != wrong[0][2])  # one wrong input in sequence 0
     refined = refine_sequences(pipe.target, sites, scorer, bag, wrong, beam=2)

@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_batched import VOCAB, pipeline, update_of  # noqa: E402  (the tiny LoRA Llama of the batched tests)
+from test_batched import tiny_batch  # noqa: E402  (the tiny LoRA Llama of the batched tests)
 
-from exact.batched.bag import somp
 from exact.batched.scorer import Example, ScorerWeights, accuracy_at_one, extension_examples, fit_weights
-from exact.batched.search import SpanScorer
-from exact.batched.sites import adapter_sites, capture_site_inputs
-from exact.batched.whitening import SiteWhitening, vocabulary_inputs
+from exact.batched.sites import capture_site_inputs
 
 
 def synthetic(count: int, seed: int) -> list[Example]:
@@ -52,14 +49,8 @@ def test_the_fit_moves_weight_to_the_informative_site_and_is_a_stationary_point_
 
 
 def test_examples_of_a_tiny_update_hold_the_true_extension_and_the_deflated_terms_of_a_recompute():
-    pipe = pipeline(2)
-    ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(12))
-    update = update_of(pipe, ids)
-    sites = adapter_sites(list(pipe.names))
-    whitening = SiteWhitening.fit(pipe.target, sites, torch.randint(0, VOCAB, (32, 5)))
-    bag = somp(sites[0].rows(update) @ whitening.vocabulary, vocabulary_inputs(pipe.target) @ whitening.vocabulary,
-               16).tokens
-    scorer = SpanScorer([s.rows(update) for s in sites], whitening.sites)
+    t = tiny_batch(12)
+    pipe, ids, sites, bag, scorer = t.pipe, t.ids, t.sites, t.bag, t.scorer
     examples = extension_examples(pipe.target, sites, scorer, bag, ids)
     assert len(examples) == 2 * 3  # positions 1..3 of both sequences (position 4 is a label)
     assert all(bag[e.true] == int(ids[n % 2, 1 + n // 2]) for n, e in enumerate(examples))
