@@ -481,3 +481,15 @@ def test_compare_curves_draws_baselines_unless_told_not_to_and_a_colour_per_curv
         module.main()
         assert len(drawn) == lines
     assert len({k["color"] for k in drawn}) == 11
+
+
+def test_batched_curve_tabulates_means_per_batch_and_draws_the_figure(tmp_path, capsys):
+    rows = tmp_path / "rows.jsonl"
+    line = {"bag_recall": 1.0, "rouge1": 0.9, "rouge2": 0.8, "exact": 0.0, "seconds": 10.0, "residual": 0.1}
+    rows.write_text("\n".join(json.dumps({**line, "B": b, "token_acc": acc}) for b, acc in
+                              ((4, 0.8), (4, 0.6), (1, 0.9))) + "\n")
+    module = load_benchmark("tools.batched_curve")
+    module.main([str(rows), "--out", str(tmp_path / "curve.png")])
+    out = capsys.readouterr().out
+    assert out.index("| 1 | 1 |") < out.index("| 4 | 2 | 100.0 | **70.0** | 90.0 | 80.0 | 0.0 | 0.100 | 10 |")
+    assert (tmp_path / "curve.png").stat().st_size > 1000 and not list(tmp_path.glob(".*"))

@@ -1,0 +1,77 @@
+"""The batched LoRA attack's curve: token accuracy against the batch size B, one point per update and the
+mean per B, from the JSON lines `benchmarks.investigations.batched.lora_batch` writes; prints the table
+docs/audit.md quotes.
+
+    python -m benchmarks.tools.batched_curve docs/results/audit/batched/eval_v2.jsonl \
+        --out docs/results/audit/batched/accuracy_vs_batch.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+
+def rows_by_batch(paths: list[str]) -> dict[int, list[dict]]:
+    out: dict[int, list[dict]] = {}
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                out.setdefault(int(row["B"]), []).append(row)
+    return dict(sorted(out.items()))
+
+
+def table(by_batch: dict[int, list[dict]]) -> str:
+    lines = ["| B | updates | bag recall | token acc | ROUGE-1 | ROUGE-2 | exact seq. | residual (median) | s / update (median) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for batch, rows in by_batch.items():
+        mean = lambda key: 100 * statistics.fmean(r[key] for r in rows)  # noqa: E731
+        residuals = [r["residual"] for r in rows if r.get("residual") is not None]
+        residual = f"{statistics.median(residuals):.3f}" if residuals else "—"
+        lines.append(f"| {batch} | {len(rows)} | {mean('bag_recall'):.1f} | **{mean('token_acc'):.1f}** | "
+                     f"{mean('rouge1'):.1f} | {mean('rouge2'):.1f} | {mean('exact'):.1f} | {residual} | "
+                     f"{statistics.median(r['seconds'] for r in rows):.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("rows", nargs="+", help="JSONL files of lora_batch")
+    parser.add_argument("--out", default=None, help="the figure (.png); none: the table only")
+    args = parser.parse_args(argv)
+    by_batch = rows_by_batch(args.rows)
+    if not by_batch:
+        raise SystemExit("no rows in " + ", ".join(args.rows))
+    print(table(by_batch))
+    if args.out:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        figure, axes = plt.subplots(figsize=(5, 3.2))
+        for batch, rows in by_batch.items():
+            axes.scatter([batch] * len(rows), [100 * r["token_acc"] for r in rows], color="tab:blue", alpha=0.4, s=14)
+        batches = list(by_batch)
+        axes.plot(batches, [100 * statistics.fmean(r["token_acc"] for r in by_batch[b]) for b in batches],
+                  marker="o", color="tab:blue", label="batched LoRA attack (mean)")
+        axes.set_xscale("log", base=2)
+        axes.set_xticks(batches, [str(b) for b in batches])
+        axes.set_xlabel("sequences per update (B)")
+        axes.set_ylabel("token accuracy (%)")
+        axes.set_ylim(0, 100)
+        axes.grid(alpha=0.3)
+        axes.legend(loc="lower left", fontsize=8)
+        figure.tight_layout()
+        out = Path(args.out)
+        temporary = out.with_name(f".{out.name}.tmp.png")
+        figure.savefig(temporary, dpi=120)
+        temporary.replace(out)
+        print(f"figure: {out}")
+
+
+if __name__ == "__main__":
+    main()
