@@ -67,3 +67,14 @@ def test_the_anchor_rule_matches_githubs_on_this_repos_headings(tmp_path):
                     "## Notes\n## Notes\n")
     assert anchors(page) == {"the-attack--defense--protocol-matrix",
                              "best-effort-relaxed_span_fraction-new-default-091", "notes", "notes-1"}
+
+
+def test_the_python_api_pages_examples_run(capsys):
+    """Every ```python block of docs/python_api.md, run in order in one namespace (later blocks may use earlier
+    ones' names), as a reader would paste them."""
+    blocks = re.findall(r"^```python\n(.*?)^```", (REPO / "docs" / "python_api.md").read_text(), flags=re.M | re.S)
+    assert blocks
+    namespace: dict = {"__name__": "python_api_example"}
+    for block in blocks:
+        exec(compile(block, "docs/python_api.md", "exec"), namespace)  # noqa: S102 (the project's own page)
+    assert "refit residual" in capsys.readouterr().out
