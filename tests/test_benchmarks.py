@@ -491,5 +491,5 @@ def test_batched_curve_tabulates_means_per_batch_and_draws_the_figure(tmp_path, 
     module = load_benchmark("tools.batched_curve")
     module.main([str(rows), "--out", str(tmp_path / "curve.png")])
     out = capsys.readouterr().out
-    assert out.index("| 1 | 1 |") < out.index("| 4 | 2 | 100.0 | **70.0** | 90.0 | 80.0 | 0.0 | 0.100 | 10 |")
+    assert out.index("| 1 | 1 |") < out.index("| 4 | 2 | 100.0 | **70.0** | 90.0 | 80.0 | 0.0 | 0 / 2 | 0.100 | 10 |")
     assert (tmp_path / "curve.png").stat().st_size > 1000 and not list(tmp_path.glob(".*"))

@@ -25,14 +25,15 @@ def rows_by_batch(paths: list[str]) -> dict[int, list[dict]]:
 
 
 def table(by_batch: dict[int, list[dict]]) -> str:
-    lines = ["| B | updates | bag recall | token acc | ROUGE-1 | ROUGE-2 | exact seq. | residual (median) | s / update (median) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| B | updates | bag recall | token acc | ROUGE-1 | ROUGE-2 | exact seq. | certified updates | "
+             "residual (median) | s / update (median) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for batch, rows in by_batch.items():
         mean = lambda key: 100 * statistics.fmean(r[key] for r in rows)  # noqa: E731
         residuals = [r["residual"] for r in rows if r.get("residual") is not None]
         residual = f"{statistics.median(residuals):.3f}" if residuals else "—"
         lines.append(f"| {batch} | {len(rows)} | {mean('bag_recall'):.1f} | **{mean('token_acc'):.1f}** | "
-                     f"{mean('rouge1'):.1f} | {mean('rouge2'):.1f} | {mean('exact'):.1f} | {residual} | "
+                     f"{mean('rouge1'):.1f} | {mean('rouge2'):.1f} | {mean('exact'):.1f} | "
+                     f"{sum(bool(r.get('certified')) for r in rows)} / {len(rows)} | {residual} | "
                      f"{statistics.median(r['seconds'] for r in rows):.0f} |")
     return "\n".join(lines)
 

@@ -285,7 +285,6 @@ class Audit:
                                                 "auxiliary text")
             self.notes.append(f"The batched attack scores extensions with a learned scorer ({source}): one weight per "
                               f"adapted layer and {weights.lm:.2f} for the global model's prior.")
-
             options, site_weights = replace(options, lm_weight=weights.lm), weights.sites
         return BatchedLoRA(self.server.target, list(self.server.names), whitening, options, site_weights)
 
