@@ -157,11 +157,13 @@ class BatchedLoRA:
                 break
         clock.lap("refine")
         result = BatchedResult(sequences, margins, bag, seconds=clock.seconds)
-        if simulate is not None and flat is not None:
+        if checked:
+            # `current` (when refinement ran) already holds the simulated updates of `sequences`.
+            current = simulate(sequences) if current is None else current
             if self.options.label_candidates > 1 and labels:
-                sequences = refit_labels(flat, simulate, sequences, labels)
+                sequences, current = refit_labels(flat, simulate, sequences, labels, current)
                 result.sequences = sequences
-            result.residual, result.coefficients = least_squares_check(flat, simulate(sequences))
+            result.residual, result.coefficients = least_squares_check(flat, current)
             clock.lap("check")
         return result
 
@@ -187,14 +189,16 @@ def least_squares_check(update: Tensor, per_sequence: Tensor) -> tuple[float, li
 
 
 def refit_labels(update: Tensor, simulate: Callable[[list[list[int]]], Tensor], sequences: list[list[int]],
-                 labels: list[list[int]]) -> list[list[int]]:
+                 labels: list[list[int]], current: Tensor | None = None) -> tuple[list[list[int]], Tensor]:
     """Each sequence's last token chosen among its candidates `labels[i]` by the least-squares refit: one pass
     over the sequences, each taking the label whose own update leaves the least residual with the others'.
-    The label enters the update only through the last position's loss, which no span test sees."""
+    The label enters the update only through the last position's loss, which no span test sees.
+    `current`: the simulated updates of `sequences` (B, D), if the caller has them. Returns the sequences with
+    their chosen labels and their simulated updates."""
     chosen = [list(s) for s in sequences]
     trials = [s[:-1] + [c] for s, cands in zip(chosen, labels) for c in cands]
     simulated = simulate(trials).double()  # (sum of candidates, D)
-    current = simulate(chosen).double()
+    current = (simulate(chosen) if current is None else current).double().clone()
     offsets = [0]
     for cands in labels:
         offsets.append(offsets[-1] + len(cands))
@@ -209,4 +213,4 @@ def refit_labels(update: Tensor, simulate: Callable[[list[list[int]]], Tensor], 
         if best is not None:
             chosen[i][-1] = cands[best]
             current[i] = simulated[offsets[i] + best]
-    return chosen
+    return chosen, current

@@ -12,8 +12,8 @@ of log(energy in the deflated row space / deflated energy), plus `lm_weight` tim
 log-probability of it after the prefix.
 
 The last token of a sequence is never an input (it has no position after it to receive a gradient):
-it is the global model's most likely continuation. `exact.batched.check` then re-simulates the
-sequences' gradients and fits the update. Plain PyTorch.
+it is the global model's most likely continuation. `exact.batched.attack.least_squares_check` then
+re-simulates the sequences' gradients and fits the update. Plain PyTorch.
 """
 
 from __future__ import annotations
