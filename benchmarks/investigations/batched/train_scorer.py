@@ -36,12 +36,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--whitening-blocks", type=int, default=512)
     parser.add_argument("--whitening-cache", default="runs/whitening/smollm2_lora.safetensors")
     parser.add_argument("--out", required=True, help="the weights (.safetensors); a .json summary goes beside")
+    parser.add_argument("--overwrite", action="store_true", help="replace weights already at --out")
     args = parser.parse_args(argv)
+    if Path(args.out).exists() and not args.overwrite:
+        raise SystemExit(f"{args.out} exists (an earlier fit); choose another --out or pass --overwrite")
 
     from exact.batched.bag import somp
     from exact.batched.scorer import ScorerWeights, accuracy_at_one, describe, extension_examples, fit_weights
     from exact.batched.search import SpanScorer
     from exact.batched.whitening import vocabulary_inputs
+    from lti.atomic_files import write_text_atomically
 
     bench = Setup(args.config, args.whitening_blocks, args.whitening_cache)
     dictionary = vocabulary_inputs(bench.target) @ bench.whitening.vocabulary
@@ -78,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
                "weights": json.loads(describe(fitted))}
     out = Path(args.out)
     fitted.save(out)
-    out.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
+    write_text_atomically(out.with_suffix(".json"), json.dumps(summary, indent=1) + "\n")
     print(json.dumps(summary, indent=1))
 
 
