@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from datamodules.federated import UpdatePipeline
 from datamodules.federated.hashing import HashSpec
 from datamodules.metrics import ScoreTotals, score_batch
+from datamodules.threat_model import weight_update
 from exact.dager import Dager
 from lti.audit.federation import load_adapter_state
 from lti.checkpoint_files import load_checked
@@ -31,9 +32,8 @@ from lti.checkpoint_files import load_checked
 def observed_update(sent: dict[str, Tensor], returned: dict[str, Tensor], lr: float, names: list[str],
                     steps: int = 1) -> Tensor:
     """(D,) the client's update u in the pipeline's order, from the arrays sent and the arrays returned
-    (the mean gradient of its `steps` local steps)."""
-    parts = [((sent[n].double() - returned[n].double()) / (lr * steps)).flatten() for n in names]
-    return torch.cat(parts).to(torch.float32)
+    (the mean gradient of its `steps` local steps; `datamodules.threat_model.weight_update`)."""
+    return weight_update(sent, returned, lr, names, steps)
 
 
 @dataclass

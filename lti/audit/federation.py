@@ -35,6 +35,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from datamodules.federated import FedAvgClient, FedSGDClient, LoRAClient, UpdatePipeline
 from datamodules.federated.defenses import NoDefense
 from datamodules.federated.hashing import FeatureHasher, Hashing
+from datamodules.threat_model import load_parameters
 
 #: The keys of the records a train message and its reply carry (Flower's FedAvg defaults).
 ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"
@@ -91,19 +92,7 @@ def adapter_state(pipeline: UpdatePipeline) -> dict[str, torch.Tensor]:
 def load_adapter_state(pipeline: UpdatePipeline, state: dict[str, torch.Tensor]) -> None:
     """Set the pipeline model's adapter weights (a round's global model) in place: every adapter in
     `state`, which must hold at least the ones the pipeline observes."""
-    params = dict(pipeline.target.named_parameters())
-    missing = [name for name in pipeline.names if name not in state]
-    if missing:
-        raise ValueError(f"the arrays lack adapter weight {missing[0]!r} of the threat model")
-    unknown = [name for name in state if name not in params]
-    if unknown:
-        raise ValueError(f"the arrays hold {unknown[0]!r}, which the threat model's model does not have")
-    with torch.no_grad():
-        for name in state:
-            value = torch.as_tensor(state[name])
-            if tuple(value.shape) != tuple(params[name].shape):
-                raise ValueError(f"adapter weight {name!r} has shape {tuple(value.shape)}, the model's is {tuple(params[name].shape)}")
-            params[name].copy_(value.to(params[name].dtype))
+    load_parameters(pipeline.target, list(pipeline.names), state)
 
 
 #: (client index, absolute round) -> that client's batch of B sequences: {"input_ids": (1, B, L), ...}
