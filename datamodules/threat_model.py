@@ -14,7 +14,6 @@ results, `ThreatModel.from_dict` rebuilds the same threat model without the file
 
 from __future__ import annotations
 
-import copy
 import os
 from pathlib import Path
 from typing import Any
@@ -171,19 +170,11 @@ class ThreatModel:
         return self._one_sequence_pipeline()({"input_ids": ids[:, None]}, keep_update=True).update
 
     def _one_sequence_pipeline(self) -> UpdatePipeline:
-        """The pipeline with a client of one sample per update, sharing the model (a view, made once)."""
+        """The pipeline with a client of one sample per update, sharing the model (made once)."""
         if self.pipeline.client.samples_per_update == 1:
             return self.pipeline
-        if getattr(self, "_single", None) is None:
-            client = copy.copy(self.pipeline.client)
-            if hasattr(client, "local"):  # LoRA: the local computation holds the samples per update
-                client.local = copy.copy(client.local)
-                client.local.samples_per_update = 1
-            else:
-                client.samples_per_update = 1
-            view = copy.copy(self.pipeline)  # the protocol is no module: the copy's client is its own
-            view.client = client
-            self._single = view
+        if self._single is None:
+            self._single = self.pipeline.with_client(self.pipeline.client.single_sample())
         return self._single
 
     def update_from_weights(self, sent: dict[str, Tensor], returned: dict[str, Tensor], lr: float,

@@ -239,3 +239,30 @@ def run_local_deployment(app_dir: str | os.PathLike, run_config: dict[str, Any],
     seconds["shutdown"] = time.monotonic() - clock
     seconds["total"] = time.monotonic() - began
     return DeploymentResult(run_id, status, info, logs, seconds)
+
+
+def main(app: str, nodes: int = 2, run_config: dict[str, Any] | None = None, timeout: float = 1800.0,
+         workdir: str = "runs/local_deployment") -> None:
+    """Run a Flower app on a local Deployment Engine (a SuperLink and SuperNodes on loopback, `flwr run`).
+
+    Args:
+        app: The app's folder (its pyproject.toml has `[tool.flwr.app]`), e.g. examples/flower_app.
+        nodes: SuperNodes to start; node i gets the node config partition-id = i, num-partitions = nodes.
+        run_config: Values for the app's `[tool.flwr.app.config]` keys, e.g. `{report-dir: /abs/path}`.
+        timeout: Seconds the run may take once submitted.
+        workdir: Where Flower's files and the logs go.
+    """
+    if nodes < 1:
+        raise SystemExit(f"error: nodes={nodes} must be >= 1")
+    result = run_local_deployment(app, dict(run_config or {}),
+                                  [{"partition-id": i, "num-partitions": nodes} for i in range(nodes)], timeout, workdir)
+    print(result.logs)
+    print(f"run {result.run_id}: {result.status} in {result.seconds['total']:.0f} s (logs in {workdir})")
+    if not result.ok:
+        raise SystemExit(f"error: the run ended {result.status}: {result.run_info.get('status-details', '')}")
+
+
+if __name__ == "__main__":
+    from jsonargparse import CLI
+
+    CLI(main)
