@@ -14,7 +14,6 @@ them is the caller's business (`datamodules.metrics.score_batch`).
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -43,11 +42,13 @@ class Reconstruction:
     diagnostics: dict[str, Any] = field(default_factory=dict)
     #: Wall time of the attack on this update.
     seconds: float = 0.0
+    #: The attack certifies the whole update: every sequence of the batch recovered (DAGER: `exact`; batched: the refit).
+    certified_update: bool = False
 
     def to_dict(self, decode=None) -> dict:
         """JSON-ready; with `decode` (ids -> text) also the sequences' text."""
-        out = {"sequences": self.sequences, "certified": self.certified, "confidence": self.confidence,
-               "seconds": self.seconds, "diagnostics": _jsonable(self.diagnostics)}
+        out = {"sequences": self.sequences, "certified": self.certified, "certified_update": self.certified_update,
+               "confidence": self.confidence, "seconds": self.seconds, "diagnostics": _jsonable(self.diagnostics)}
         if decode is not None:
             out["texts"] = [decode(s) for s in self.sequences]
         return out
@@ -55,63 +56,88 @@ class Reconstruction:
 
 @runtime_checkable
 class Attack(Protocol):
-    """An attack on one observed update. `name` labels its rows in reports."""
+    """An attack on one observed update. `name` labels its rows in reports. An attack that reads only some
+    batch sizes (a learned one trained on updates of m sequences) also has `reads(batch_size) -> bool`."""
 
     name: str
 
     def attack(self, update: Tensor, threat_model: ThreatModel, batch_size: int) -> Reconstruction: ...
 
 
+def reads(attack: Attack, batch_size: int) -> bool:
+    """Whether `attack` reads updates of `batch_size` sequences (every size, unless it says otherwise)."""
+    check = getattr(attack, "reads", None)
+    return True if check is None else bool(check(batch_size))
+
+
 class DagerAttack:
     """DAGER (`exact.dager.Dager`) behind the interface. `trajectory`: the offsets of a multi-step client's
-    local steps (`exact.dager.local_step_offsets`; () for FedSGD)."""
+    local steps (`exact.dager.local_step_offsets`; () for FedSGD). Where the threat model can simulate one
+    sequence's update (a FedSGD client in eval mode), certified sequences are peeled off (`Extensions.peel`)."""
 
-    name = "dager"
-
-    def __init__(self, dager: Dager | None = None, trajectory: tuple[float, ...] = ()) -> None:
+    def __init__(self, dager: Dager | None = None, trajectory: tuple[float, ...] = (), name: str = "dager") -> None:
         self.dager = dager or Dager()
-        self.trajectory = tuple(trajectory)
+        self.trajectory, self.name = tuple(trajectory), name
 
     def attack(self, update: Tensor, threat_model: ThreatModel, batch_size: int) -> Reconstruction:
         start = time.perf_counter()
         # DAGER reads the update at the precision the server holds it (float32 off the returned weights).
         split = {name: grads[0] for name, grads in threat_model.pipeline.split(update.reshape(1, -1)).items()}
         result = self.dager.attack(threat_model.target, split, batch_size=batch_size, max_length=threat_model.seq_len,
-                                   trajectory=self.trajectory)
+                                   trajectory=self.trajectory, sequence_update=threat_model.pipeline.sequence_update)
         certified = list(result.sequence_exact) or [bool(result.exact)] * len(result.sequences)
-        diagnostics = dict(result.diagnostics)
-        diagnostics["exact"] = bool(result.exact)
-        return Reconstruction(result.sequences, certified, None, diagnostics, time.perf_counter() - start)
+        return Reconstruction(result.sequences, certified, None, dict(result.diagnostics), time.perf_counter() - start,
+                              bool(result.exact))
 
 
 class BatchedAttack:
     """The batched LoRA attack (`exact.batched`) behind the interface: whitened bag recovery, the all-layer span
     search and, for a FedSGD client, the least-squares check against the threat model's own simulation.
 
-    The whitening is the server's: given, or fitted once on `auxiliary_ids` (N, L) blocks of its own text when
-    the first update is attacked (cached at `whitening_cache` when given, keyed by the model's fingerprint). `site_weights`: a learned scorer's (`exact.batched.scorer.ScorerWeights.sites`).
+    The whitening is the server's: given, or fitted once on blocks of its own text when the first update is
+    attacked (cached at `whitening_cache` when given, keyed by the model's fingerprint). `site_weights`: a learned scorer's (`exact.batched.scorer.ScorerWeights.sites`).
     `check`: re-simulate the recovered sequences and refit the update (needs a FedSGD client: a FedAvg
     client's mean gradient along its path is no combination of the sequences' updates).
     """
 
-    name = "batched"
-
     def __init__(self, options: BatchedOptions | None = None, whitening: SiteWhitening | None = None,
-                 auxiliary_ids: Tensor | None = None, whitening_cache: str | os.PathLike | None = None,
-                 site_weights: Tensor | None = None, check: bool = True) -> None:
-        if whitening is None and auxiliary_ids is None:
-            raise ValueError("the batched attack needs the server's whitening or auxiliary text to fit it on "
-                             "(auxiliary_ids: (N, L) token ids)")
+                 auxiliary_ids: Tensor | None = None, whitening_cache: str | None = None, whitening_blocks: int = 256,
+                 site_weights: Tensor | None = None, check: bool = True, name: str = "batched") -> None:
+        """
+        Args:
+            options: The bag recovery and search settings.
+            whitening: The server's whitening, if already computed.
+            auxiliary_ids: (N, L) token ids of the server's own text to fit it on (the first `whitening_blocks`);
+                the evaluation callback supplies its DataModule's auxiliary split when none is given.
+            whitening_cache: A safetensors file the fitted whitening is cached in (None: not cached).
+            whitening_blocks: Blocks of the server's text the whitening reads at most.
+            site_weights: A learned scorer's weight per site (`exact.batched.scorer.ScorerWeights.sites`).
+            check: Re-simulate the recovered sequences and refit the update (FedSGD clients only).
+            name: What reports and metrics call it.
+        """
+        if whitening_blocks < 1:
+            raise ValueError(f"whitening_blocks={whitening_blocks} must be >= 1")
         self.options = options or BatchedOptions()
-        self.whitening, self.auxiliary_ids, self.whitening_cache = whitening, auxiliary_ids, whitening_cache
-        self.site_weights, self.check = site_weights, check
+        self.whitening, self.whitening_cache, self.whitening_blocks = whitening, whitening_cache, whitening_blocks
+        self.auxiliary_ids = None if auxiliary_ids is None else auxiliary_ids[:whitening_blocks]
+        self.site_weights, self.check, self.name = site_weights, check, name
         self._bound: tuple[int, BatchedLoRA] | None = None
+
+    def needs_server_text(self) -> bool:
+        return self.whitening is None and self.auxiliary_ids is None
+
+    def use_server_text(self, auxiliary_ids: Tensor) -> None:
+        """The server's own text (N, L) to fit the whitening on, when none was given."""
+        self.auxiliary_ids = auxiliary_ids[: self.whitening_blocks]
 
     def _attack_for(self, threat_model: ThreatModel) -> BatchedLoRA:
         if self._bound is not None and self._bound[0] == id(threat_model.target):
             return self._bound[1]
         names = threat_model.names
         if self.whitening is None:
+            if self.auxiliary_ids is None:
+                raise ValueError("the batched attack needs the server's whitening or its own text to fit it on "
+                                 "(auxiliary_ids: (N, L) token ids)")
             sites = adapter_sites(names)
             self.whitening = SiteWhitening.load_or_fit(self.whitening_cache, threat_model.target, sites,
                                                        self.auxiliary_ids, threat_model.fingerprint)
@@ -128,7 +154,7 @@ class BatchedAttack:
         diagnostics = {"bag": found.bag, "residual": found.residual, "coefficients": found.coefficients,
                        "phase_seconds": found.seconds}
         return Reconstruction(found.sequences, [found.certified] * len(found.sequences), found.margins, diagnostics,
-                              time.perf_counter() - start)
+                              time.perf_counter() - start, found.certified)
 
 
 def _jsonable(value):

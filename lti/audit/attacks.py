@@ -23,8 +23,8 @@ from torch import Tensor, nn
 from datamodules.federated import UpdatePipeline
 from datamodules.federated.hashing import HashSpec
 from datamodules.metrics import ScoreTotals, score_batch
-from datamodules.threat_model import weight_update
-from exact.dager import Dager
+from datamodules.threat_model import ThreatModel, weight_update
+from exact.interface import Attack, BatchedAttack, DagerAttack, Reconstruction, reads
 from lti.audit.federation import load_adapter_state
 from lti.checkpoint_files import load_checked
 
@@ -77,10 +77,20 @@ class LearnedInverter:
         self.checkpoint = checkpoint
         self.setting = saved.get("lti", {}).get("setting", {})
 
+    name = "learned"
+
     @torch.no_grad()
     def predict(self, features: Tensor) -> Tensor:
         """(U, k) hashed updates -> (U, m*L) token ids (argmax per slot)."""
         return self.module(features.float()).argmax(-1)
+
+    def reads(self, batch_size: int) -> bool:
+        return batch_size == self.sequences
+
+    def attack(self, update: Tensor, threat_model: ThreatModel, batch_size: int) -> Reconstruction:
+        start = time.perf_counter()
+        tokens = self.predict(threat_model.pipeline.hasher(update.reshape(1, -1)))[0].view(batch_size, -1).tolist()
+        return Reconstruction(tokens, [False] * batch_size, seconds=time.perf_counter() - start)
 
 
 class PointerAttack:
@@ -110,6 +120,16 @@ class PointerAttack:
         self.second = SecondLayerEvidence(pipeline.target, list(pipeline.names), seq_len) if rule == "second_layer" else None
         self.pipeline, self.rule, self.lm_weight, self.second_weight, self.path = pipeline, rule, lm_weight, second_weight, path
 
+    name = "pointer"
+
+    def reads(self, batch_size: int) -> bool:
+        return batch_size == 1
+
+    def attack(self, update: Tensor, threat_model: ThreatModel, batch_size: int) -> Reconstruction:
+        start = time.perf_counter()
+        tokens = self.predict(threat_model.pipeline.split(update.reshape(1, -1))).tolist()
+        return Reconstruction(tokens, [False] * len(tokens), seconds=time.perf_counter() - start)
+
     @torch.no_grad()
     def predict(self, update: dict[str, Tensor]) -> Tensor:
         """{name: (U, *shape)} one-sequence updates -> (U, L) token ids."""
@@ -124,19 +144,16 @@ class PointerAttack:
 
 
 class RoundAttacks:
-    """Runs the chosen attacks on one round's updates with the server's pipeline at that round's weights."""
+    """Runs the chosen attacks (`exact.interface.Attack`s, in report order) on one round's updates with the server's
+    pipeline at that round's weights, and scores them against the clients' true sequences."""
 
     def __init__(self, pipeline: UpdatePipeline, decode: Callable[[list[int]], str], seq_len: int, lr: float,
-                 dager: bool, learned: LearnedInverter | None, samples: int, pointer: PointerAttack | None = None,
-                 steps: int = 1, trajectory: tuple[float, ...] = (), batched=None) -> None:
+                 attacks: list[Attack], samples: int, steps: int = 1) -> None:
         self.pipeline, self.decode, self.seq_len, self.lr, self.steps = pipeline, decode, seq_len, lr, steps
-        #: DAGER's second-layer test also at w - s * u for the offsets s of the clients' local steps
-        #: (`exact.dager.local_step_offsets` of the clients' protocol; () for one step)
-        self.trajectory = tuple(trajectory)
-        self.dager = Dager() if dager else None
-        self.learned, self.pointer = learned, pointer
-        #: `exact.batched.BatchedLoRA`, or None
-        self.batched = batched
+        self.threat = ThreatModel.from_pipeline(pipeline, seq_len)
+        self.attacks = list(attacks)
+        self.learned = next((a for a in self.attacks if isinstance(a, LearnedInverter)), None)
+        self.pointer = next((a for a in self.attacks if isinstance(a, PointerAttack)), None)
         self.samples = samples
 
     def attack(self, sent: dict[str, Tensor], replies: dict[int, dict[str, Tensor]],
@@ -149,49 +166,15 @@ class RoundAttacks:
         for kept, client in enumerate(sorted(replies)):
             update = observed_update(sent, replies[client], self.lr, names, self.steps)
             ids = batches[client]
-            keep = kept < self.samples
-            if self.dager is not None:
-                start = time.perf_counter()
-                split = {name: grads[0] for name, grads in self.pipeline.split(update[None]).items()}
-                result = self.dager.attack(self.pipeline.target, split, batch_size=ids.shape[0], max_length=self.seq_len,
-                                           trajectory=self.trajectory)
-                seconds["dager"] = seconds.get("dager", 0.0) + time.perf_counter() - start
-                tally = tallies.setdefault("dager", Tally())
-                tally.add(score_batch(result.sequences, ids, None, self.decode, result.exact), client, keep)
-                # How DAGER ran (strict span tests, the relaxed best effort, or not at all) and why.
-                mode = str(result.diagnostics.get("mode", "strict"))
-                tally.modes[mode] = tally.modes.get(mode, 0) + 1
-                for key in ("rank1", "dim"):
-                    if key in result.diagnostics:
-                        tally.diagnostics.setdefault(key, []).append(result.diagnostics[key])
-                if "reason" in result.diagnostics:
-                    tally.diagnostics.setdefault("reasons", set()).add(str(result.diagnostics["reason"]))
-            if self.batched is not None:
-                start = time.perf_counter()
-                split = {name: grads[0].double() for name, grads in self.pipeline.split(update[None]).items()}
-                # The least-squares check refits a FedSGD update by the sequences' own updates; a FedAvg
-                # client's mean gradient along its path is not such a combination.
-                simulate = self._per_sequence if self.steps == 1 else None
-                found = self.batched.attack(split, ids.shape[0], self.seq_len, simulate, update)
-                seconds["batched"] = seconds.get("batched", 0.0) + time.perf_counter() - start
-                tally = tallies.setdefault("batched", Tally())
-                tally.add(score_batch(found.sequences, ids, None, self.decode, found.certified), client, keep)
-                visible = set(ids[:, :-1].flatten().tolist())
-                tally.diagnostics.setdefault("bag_recall", []).append(len(visible & set(found.bag)) / max(1, len(visible)))
-                tally.diagnostics.setdefault("bag_size", []).append(len(found.bag))
-                if found.residual is not None:
-                    tally.diagnostics.setdefault("residual", []).append(found.residual)
-                tally.modes["certified" if found.certified else "best effort"] = (
-                    tally.modes.get("certified" if found.certified else "best effort", 0) + 1)
-            if self.learned is not None and self.learned.sequences == ids.shape[0]:
-                features = self.pipeline.hasher(update[None])
-                tokens = self.learned.predict(features)[0].view(ids.shape[0], -1).tolist()
-                tallies.setdefault("learned", Tally()).add(score_batch(tokens, ids, None, self.decode), client, keep)
-            if self.pointer is not None and ids.shape[0] == 1:
-                start = time.perf_counter()
-                tokens = self.pointer.predict(self.pipeline.split(update[None])).tolist()
-                seconds["pointer"] = seconds.get("pointer", 0.0) + time.perf_counter() - start
-                tallies.setdefault("pointer", Tally()).add(score_batch(tokens, ids, None, self.decode), client, keep)
+            for attack in self.attacks:
+                if not reads(attack, ids.shape[0]):
+                    continue
+                found = attack.attack(update, self.threat, ids.shape[0])
+                seconds[attack.name] = seconds.get(attack.name, 0.0) + found.seconds
+                tally = tallies.setdefault(attack.name, Tally())
+                tally.add(score_batch(found.sequences, ids, None, self.decode, found.certified_update), client,
+                          kept < self.samples)
+                _diagnose(tally, attack, found, ids)
         out = {}
         for name, tally in tallies.items():
             out[name] = {**tally.row(), "samples": tally.samples}
@@ -199,14 +182,8 @@ class RoundAttacks:
                 out[name]["modes"] = tally.modes
             for key, value in tally.diagnostics.items():
                 out[name][key] = sorted(value) if isinstance(value, set) else value
-            if name in seconds:
-                out[name]["seconds_per_update"] = seconds[name] / max(1, len(replies))
+            out[name]["seconds_per_update"] = seconds[name] / max(1, len(replies))
         return out
-
-    def _per_sequence(self, sequences: list[list[int]]) -> Tensor:
-        """(B, D): the update each sequence alone gives at this round's weights (the server's simulation)."""
-        ids = torch.tensor(sequences, dtype=torch.long)[:, None]  # B updates of one sequence each
-        return self.pipeline({"input_ids": ids}, keep_update=True).update
 
     def probed(self) -> dict[str, Callable]:
         """{name: predict(observed updates) -> (U, L) token ids} of the attacks the staleness probe runs:
@@ -236,3 +213,26 @@ class RoundAttacks:
                 for row, truth in zip(predict(observed).tolist(), batch):
                     tallies[name].add(score_batch([row], truth[None], None, self.decode), -1, False)
         return {name: tally.row() for name, tally in tallies.items()}
+
+
+def _diagnose(tally: Tally, attack: Attack, found: Reconstruction, ids: Tensor) -> None:
+    """What the report prints beside an exact attack's scores: how DAGER ran (strict span tests, the relaxed best
+    effort, or not at all) and why; the batched attack's bag recall and refit residual."""
+    diagnostics = found.diagnostics
+    if isinstance(attack, DagerAttack):
+        mode = str(diagnostics.get("mode", "strict"))
+        tally.modes[mode] = tally.modes.get(mode, 0) + 1
+        for key in ("rank1", "dim"):
+            if key in diagnostics:
+                tally.diagnostics.setdefault(key, []).append(diagnostics[key])
+        if "reason" in diagnostics:
+            tally.diagnostics.setdefault("reasons", set()).add(str(diagnostics["reason"]))
+    elif isinstance(attack, BatchedAttack):
+        visible = set(ids[:, :-1].flatten().tolist())
+        bag = diagnostics["bag"]
+        tally.diagnostics.setdefault("bag_recall", []).append(len(visible & set(bag)) / max(1, len(visible)))
+        tally.diagnostics.setdefault("bag_size", []).append(len(bag))
+        if diagnostics["residual"] is not None:
+            tally.diagnostics.setdefault("residual", []).append(diagnostics["residual"])
+        mode = "certified" if found.certified_update else "best effort"
+        tally.modes[mode] = tally.modes.get(mode, 0) + 1

@@ -33,7 +33,7 @@ from flwr.serverapp.strategy import Strategy
 
 from datamodules.metrics import ScoreTotals, score_batch
 from datamodules.threat_model import ThreatModel
-from exact.interface import Attack
+from exact.interface import Attack, reads
 from lti.atomic_files import write_text_atomically
 
 #: truth(round, node id) -> (B, L) the client's true token ids, or None (a simulation's; a real server has none)
@@ -146,20 +146,22 @@ class LeakageAudit(Strategy):
             truth = self.truth(server_round, node) if self.truth is not None else None
             row = {"node": node, "batch_size": batch, "received_sha256": arrays_digest(returned_arrays), "attacks": {}}
             for attack in self.attacks:
+                if not reads(attack, batch):
+                    continue
                 found = attack.attack(update, threat, batch)
                 entry = found.to_dict(threat.decode)
                 if truth is not None:
-                    scores = score_batch(found.sequences, truth, None, threat.decode, all(found.certified))
+                    scores = score_batch(found.sequences, truth, None, threat.decode, found.certified_update)
                     self._totals.setdefault(attack.name, ScoreTotals()).add(scores)
                     entry["scores"] = {k: v for k, v in scores.items() if k != "pairs"}
                     entry["references"] = [threat.decode(s) for s in truth.tolist()]
                 counts = self._counts.setdefault(attack.name, {"updates": 0, "certified_updates": 0, "seconds": 0.0})
                 counts["updates"] += 1
-                counts["certified_updates"] += int(bool(found.certified) and all(found.certified))
+                counts["certified_updates"] += int(found.certified_update)
                 counts["seconds"] += found.seconds
                 row["attacks"][attack.name] = entry
                 log(INFO, "LeakageAudit: round %d, node %d, %s: %d sequences%s in %.1f s", server_round, node,
-                    attack.name, len(found.sequences), ", certified" if all(found.certified) else "", found.seconds)
+                    attack.name, len(found.sequences), ", certified" if found.certified_update else "", found.seconds)
             rows.append(row)
         report = {"round": server_round, "lr": self.lr, "local_steps": self.local_steps, "updates": rows}
         write_text_atomically(self.out_dir / f"round-{server_round:04d}.json", json.dumps(report, indent=1) + "\n")

@@ -186,6 +186,7 @@ class Audit:
 
     def _build(self) -> None:
         from exact.dager import local_step_offsets
+        from exact.interface import DagerAttack
         from lti.audit.attacks import LearnedInverter, PointerAttack, RoundAttacks
         from lti.audit.federation import client_pipeline
         from lti.audit.folder import instantiate_with_config
@@ -235,13 +236,13 @@ class Audit:
             self.notes.append(f"The clients run FedAvg: {fed.local_steps()} local SGD steps (lr {fed.lr}) per round; the "
                               "server attacks their mean gradient (w - returned) / (steps * lr), DAGER also along the "
                               "clients' path. The staleness probe simulates the threat model's one-step updates.")
-        batched = None
+        # In the report's order. DAGER also tests its second layer along a FedAvg client's path of local steps.
+        attacks = [DagerAttack(trajectory=local_step_offsets(self.clients.client.local))] if self.options.attacks.dager else []
         if self.options.attacks.batched:
-            batched = self._batched_attack(aux_ids)
-        self.attacks = RoundAttacks(self.server, lambda t: data.tokenizer.decode(t), data.seq_len,
-                                    fed.lr, self.options.attacks.dager, learned, self.options.attacks.samples, pointer,
-                                    self.clients.client.local_steps(), local_step_offsets(self.clients.client.local),
-                                    batched)
+            attacks.append(self._batched_attack(aux_ids))
+        attacks += [attack for attack in (learned, pointer) if attack is not None]
+        self.attacks = RoundAttacks(self.server, lambda t: data.tokenizer.decode(t), data.seq_len, fed.lr, attacks,
+                                    self.options.attacks.samples, self.clients.client.local_steps())
         # Spread over the whole split, so over every client's documents.
         probe = min(self.options.attacks.probe_sequences, eval_ids.shape[0])
         self.probe_ids = eval_ids[torch.linspace(0, eval_ids.shape[0] - 1, probe).long()] if probe else eval_ids[:0]
@@ -261,7 +262,8 @@ class Audit:
         """The batched LoRA attack, its whitening computed on the server's auxiliary text (cached in the run
         folder: server data only, keyed by the global model's fingerprint)."""
         from datamodules.federated.pipeline import target_fingerprint
-        from exact.batched import BatchedLoRA, SiteWhitening, adapter_sites
+        from exact.batched import SiteWhitening, adapter_sites
+        from exact.interface import BatchedAttack
 
         attacks = self.options.attacks
         sites = adapter_sites(list(self.server.names))
@@ -286,7 +288,10 @@ class Audit:
             self.notes.append(f"The batched attack scores extensions with a learned scorer ({source}): one weight per "
                               f"adapted layer and {weights.lm:.2f} for the global model's prior.")
             options, site_weights = replace(options, lm_weight=weights.lm), weights.sites
-        return BatchedLoRA(self.server.target, list(self.server.names), whitening, options, site_weights)
+        # The least-squares check refits a FedSGD update by the sequences' own updates; a FedAvg client's mean
+        # gradient along its path is not such a combination.
+        return BatchedAttack(options, whitening=whitening, site_weights=site_weights,
+                             check=self.options.federation.local_steps() == 1)
 
     def _fit_scorer(self, whitening, sites, blocks: torch.Tensor, fingerprint: str):
         """The batched search's learned scorer, fitted on updates of the clients' B the server simulates from its

@@ -30,7 +30,7 @@ def test_dager_behind_the_interface_is_dager():
     split = {name: grads[0] for name, grads in threat.pipeline.split(update[None]).items()}
     direct = Dager().attack(threat.target, split, batch_size=1, max_length=5)
     assert isinstance(DagerAttack(), Attack) and found.sequences == direct.sequences
-    assert found.diagnostics["exact"] == direct.exact and len(found.certified) == len(found.sequences)
+    assert found.certified_update == direct.exact and len(found.certified) == len(found.sequences)
 
 
 def test_the_batched_attack_behind_the_interface_is_the_batched_attack_and_fits_its_whitening_once(tmp_path, monkeypatch):

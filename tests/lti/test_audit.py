@@ -280,7 +280,8 @@ def test_a_fedavg_audit_attacks_the_mean_gradient_of_the_clients_local_steps(tmp
     audit = Audit(options, say=lambda *_: None)
     records = audit.run()
     assert records[0]["attacks"]["dager"]["sequences"] == 2
-    assert audit.attacks.steps == 3 and audit.attacks.trajectory == (0.0, 0.5, 1.0)
+    assert audit.attacks.steps == 3 and audit.attacks.attacks[0].trajectory == (0.0, 0.5, 1.0)
+    assert audit.attacks.attacks[1].check is False  # no refit of a FedAvg client's mean gradient
     report = (tmp_path / "a" / "report.md").read_text()
     assert "FedAvg: 3 local SGD steps at lr = 0.5" in report and "The clients run FedAvg" in report
 

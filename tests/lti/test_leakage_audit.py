@@ -16,7 +16,7 @@ from flwr.serverapp.strategy import FedAdam, FedAvg, FedProx  # noqa: E402
 from test_audit import random_data, tiny_pipeline  # noqa: E402
 
 from datamodules.threat_model import ThreatModel  # noqa: E402
-from exact.batched import BatchedLoRA, BatchedOptions, SiteWhitening, adapter_sites  # noqa: E402
+from exact.batched import BatchedOptions, SiteWhitening, adapter_sites  # noqa: E402
 from exact.interface import BatchedAttack, DagerAttack  # noqa: E402
 from lti.audit.attacks import RoundAttacks  # noqa: E402
 from lti.audit.federation import SerialGrid, adapter_state, client_pipeline, make_client_app  # noqa: E402
@@ -88,8 +88,8 @@ def test_the_wrappers_scores_equal_the_audits_round_attacks_on_the_same_updates(
                          truth=lambda round_, node: random_data(node - 1000, round_)["input_ids"][0])
     run(pipeline, audit, rounds=1)  # the serial grid numbers its nodes 1000 + client index
     report = json.loads((tmp_path / "report" / "round-0001.json").read_text())
-    reference = RoundAttacks(pipeline, threat.decode, 6, LR, dager=True, learned=None, samples=0,
-                             batched=BatchedLoRA(pipeline.target, list(pipeline.names), whitening, OPTIONS))
+    reference = RoundAttacks(pipeline, threat.decode, 6, LR, [DagerAttack(), BatchedAttack(OPTIONS, whitening=whitening)],
+                             samples=0)
     sent = seen[("sent", 1)].to_torch_state_dict()
     for node, arrays in seen[("replies", 1)].items():
         ids = random_data(node - 1000, 1)["input_ids"][0]
