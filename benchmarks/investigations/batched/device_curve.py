@@ -65,7 +65,7 @@ def run(args) -> None:
     fingerprint = target_fingerprint(server.target)
     if fingerprint != expected:
         raise SystemExit(f"the model here has fingerprint {fingerprint}, the blocks' threat model {expected}")
-    server.target.to(device)
+    server.to(device)  # the model and the hasher's buffers
     names = list(server.names)
     sites = adapter_sites(names)
     whitening = SiteWhitening.fit(server.target, sites, blocks["auxiliary_whitening"][: args.whitening_blocks].to(device))
