@@ -167,14 +167,29 @@ class LeakageAudit(Strategy):
         write_text_atomically(self.out_dir / f"round-{server_round:04d}.json", json.dumps(report, indent=1) + "\n")
         self._write_summary()
 
+    def _threat_model_record(self) -> dict:
+        """What the report was read under, by content: the threat model's config where it was built from one, and
+        always what the server observed (parameters, shapes, the global model's fingerprint)."""
+        threat = self.threat_model
+        return {"config": _content_or_none(threat), "observed": threat.pipeline.spec.to_dict(),
+                "seq_len": threat.seq_len, "client": threat.pipeline.client.describe(),
+                "defense": threat.pipeline.defense.describe()}
+
     def _write_summary(self) -> None:
-        summary = {"attacks": {}, "written": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        summary = {"attacks": {}, "written": time.strftime("%Y-%m-%dT%H:%M:%S"), "threat_model": self._threat_model_record()}
         for name, counts in self._counts.items():
             entry = {**counts, "seconds_per_update": counts["seconds"] / max(1, counts["updates"])}
             if name in self._totals:
                 entry["scores"] = self._totals[name].means()
             summary["attacks"][name] = entry
         write_text_atomically(self.out_dir / "summary.json", json.dumps(summary, indent=1) + "\n")
+
+
+def _content_or_none(threat: ThreatModel) -> dict | None:
+    try:
+        return threat.to_dict()
+    except ValueError:  # built from Python objects: no config content to store
+        return None
 
 
 def _num_examples(reply: Message) -> int:

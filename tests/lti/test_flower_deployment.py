@@ -74,3 +74,4 @@ def test_its_reconstructions_are_the_same_attacks_run_in_process_on_the_same_upd
             assert attack.attack(update, threat, 2).sequences == row["attacks"][attack.name]["sequences"]
     summary = json.loads((tmp / "report" / "summary.json").read_text())
     assert summary["attacks"]["batched"]["updates"] == 4
+    assert summary["threat_model"]["config"] == threat.to_dict()  # stored by content, not by the file's path

@@ -63,6 +63,9 @@ def test_the_wrapper_reads_what_the_clients_sent_and_the_strategy_aggregates_as_
             assert len(row["attacks"]["dager"]["sequences"]) <= 2 and "scores" not in row["attacks"]["dager"]
     summary = json.loads((tmp_path / "report" / "summary.json").read_text())
     assert summary["attacks"]["dager"]["updates"] == 2 * CLIENTS
+    # What the report was read under, by content (this threat model was built from Python objects: no config).
+    assert summary["threat_model"]["config"] is None and summary["threat_model"]["seq_len"] == 6
+    assert summary["threat_model"]["observed"] == threat.pipeline.spec.to_dict()
 
 
 def test_the_wrappers_scores_equal_the_audits_round_attacks_on_the_same_updates(tmp_path):
