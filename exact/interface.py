@@ -102,7 +102,8 @@ class BatchedAttack:
 
     def __init__(self, options: BatchedOptions | None = None, whitening: SiteWhitening | None = None,
                  auxiliary_ids: Tensor | None = None, whitening_cache: str | None = None, whitening_blocks: int = 256,
-                 site_weights: Tensor | None = None, check: bool = True, name: str = "batched") -> None:
+                 site_weights: Tensor | None = None, second_opinion: tuple[Tensor, float] | None = None,
+                 check: bool = True, name: str = "batched") -> None:
         """
         Args:
             options: The bag recovery and search settings.
@@ -112,6 +113,8 @@ class BatchedAttack:
             whitening_cache: A safetensors file the fitted whitening is cached in (None: not cached).
             whitening_blocks: Blocks of the server's text the whitening reads at most.
             site_weights: A learned scorer's weight per site (`exact.batched.scorer.ScorerWeights.sites`).
+            second_opinion: (site weights, prior weight) of a scorer to search again with when the refit doubts a
+                result (`BatchedOptions.second_opinion_above`; needs `check`).
             check: Re-simulate the recovered sequences and refit the update (FedSGD clients only).
             name: What reports and metrics call it.
         """
@@ -120,7 +123,7 @@ class BatchedAttack:
         self.options = options or BatchedOptions()
         self.whitening, self.whitening_cache, self.whitening_blocks = whitening, whitening_cache, whitening_blocks
         self.auxiliary_ids = None if auxiliary_ids is None else auxiliary_ids[:whitening_blocks]
-        self.site_weights, self.check, self.name = site_weights, check, name
+        self.site_weights, self.second_opinion, self.check, self.name = site_weights, second_opinion, check, name
         self._bound: tuple[int, BatchedLoRA] | None = None
 
     def needs_server_text(self) -> bool:
@@ -141,7 +144,8 @@ class BatchedAttack:
             sites = adapter_sites(names)
             self.whitening = SiteWhitening.load_or_fit(self.whitening_cache, threat_model.target, sites,
                                                        self.auxiliary_ids, threat_model.fingerprint)
-        bound = BatchedLoRA(threat_model.target, names, self.whitening, self.options, self.site_weights)
+        bound = BatchedLoRA(threat_model.target, names, self.whitening, self.options, self.site_weights,
+                            self.second_opinion)
         self._bound = (id(threat_model.target), bound)
         return bound
 
@@ -152,7 +156,7 @@ class BatchedAttack:
         simulate = threat_model.simulate if self.check else None
         found = batched.attack(split, batch_size, threat_model.seq_len, simulate, update if self.check else None)
         diagnostics = {"bag": found.bag, "residual": found.residual, "coefficients": found.coefficients,
-                       "phase_seconds": found.seconds}
+                       "phase_seconds": found.seconds, "second_opinion": found.second_opinion}
         return Reconstruction(found.sequences, [found.certified] * len(found.sequences), found.margins, diagnostics,
                               time.perf_counter() - start, found.certified)
 

@@ -46,6 +46,10 @@ class BatchedOptions(OptionGroup):
             through every site).
         label_candidates: The last token of each sequence (a label, never an input) is chosen among the global
             model's this many likeliest by the least-squares refit of the update (1: the likeliest).
+        second_opinion_above: With the server's simulation and a second scorer (`BatchedLoRA(second_opinion=...)`,
+            e.g. the learned one), a result whose refit residual is above this is searched again with that
+            scorer, and the result of lower residual is kept (chosen on the auxiliary tail: below about 0.3 a
+            B = 4 result is nearly right, above it an early commitment went wrong).
     """
 
     picks_per_sequence: int = 16
@@ -56,6 +60,7 @@ class BatchedOptions(OptionGroup):
     refine: int = 2
     screen_sites: int = 8
     shortlist: int = 64
+    second_opinion_above: float = 0.3
 
     def _check(self) -> None:
         if self.picks_per_sequence < 1:
@@ -72,6 +77,8 @@ class BatchedOptions(OptionGroup):
             raise ValueError(f"screen_sites={self.screen_sites} and shortlist={self.shortlist} must be >= 0")
         if self.label_candidates < 1:
             raise ValueError(f"label_candidates={self.label_candidates} must be >= 1")
+        if not self.second_opinion_above >= 0:
+            raise ValueError(f"second_opinion_above={self.second_opinion_above} must be >= 0")
 
 
 @dataclass
@@ -82,6 +89,10 @@ class BatchedResult:
     residual: float | None = None  #: the least-squares check's relative residual (None: not checked)
     coefficients: list[float] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)  #: each phase's wall time (bag, search, refine, check)
+    #: None: no second search; else whether the second scorer's result was kept.
+    second_opinion: bool | None = None
+    #: The search's result not kept, when a second search ran (for measurements of the choice).
+    other: BatchedResult | None = None
 
     @property
     def certified(self) -> bool:
@@ -92,10 +103,13 @@ class BatchedLoRA:
     """The attack bound to a global model with LoRA adapters, its observed names and a whitening."""
 
     def __init__(self, target: nn.Module, names: list[str], whitening: SiteWhitening,
-                 options: BatchedOptions = BatchedOptions(), site_weights: Tensor | None = None) -> None:
-        """`site_weights`: a learned scorer's weight per site (`exact.batched.scorer`; default 1 each)."""
+                 options: BatchedOptions = BatchedOptions(), site_weights: Tensor | None = None,
+                 second_opinion: tuple[Tensor, float] | None = None) -> None:
+        """`site_weights`: a learned scorer's weight per site (`exact.batched.scorer`; default 1 each).
+        `second_opinion`: (site weights, prior weight) of a second scorer for results the refit doubts
+        (`BatchedOptions.second_opinion_above`)."""
         self.target, self.names, self.options = target, list(names), options
-        self.site_weights = site_weights
+        self.site_weights, self.second_opinion = site_weights, second_opinion
         self.sites = adapter_sites(self.names)
         if whitening.sites.shape[0] != len(self.sites):
             raise ValueError(f"the whitening holds {whitening.sites.shape[0]} sites; the model has {len(self.sites)}")
@@ -110,6 +124,23 @@ class BatchedLoRA:
     def attack(self, update: dict[str, Tensor], batch_size: int, length: int,
                simulate: Callable[[list[list[int]]], Tensor] | None = None, flat: Tensor | None = None) -> BatchedResult:
         """`update`: {name: gradient} of one client (B sequences of `length` tokens averaged)."""
+        result = self._search(update, batch_size, length, simulate, flat, self.site_weights, self.options.lm_weight)
+        doubtful = result.residual is not None and result.residual > self.options.second_opinion_above
+        if self.second_opinion is None or not doubtful:
+            return result
+        sites, lm = self.second_opinion
+        second = self._search(update, batch_size, length, simulate, flat, sites, lm)
+        kept = second if second.residual < result.residual else result
+        kept.second_opinion = kept is second
+        kept.other = result if kept is second else second
+        kept.seconds = {**{k: v for k, v in result.seconds.items()},
+                        **{f"second_{k}": v for k, v in second.seconds.items()}}
+        return kept
+
+    def _search(self, update: dict[str, Tensor], batch_size: int, length: int,
+                simulate: Callable[[list[list[int]]], Tensor] | None, flat: Tensor | None, site_weights: Tensor | None,
+                lm_weight: float) -> BatchedResult:
+        """One search under one scorer (`site_weights`, `lm_weight`)."""
         clock = _Clock()
         rows = [site.rows(update).double() for site in self.sites]
         bag = somp(rows[0] @ self.whitening.vocabulary, self.dictionary,
@@ -118,10 +149,10 @@ class BatchedLoRA:
         if not bag:
             return BatchedResult([[0] * length for _ in range(batch_size)], [[0.0] * length] * batch_size, [],
                                  seconds=clock.seconds)
-        scorer = SpanScorer(rows, self.whitening.sites, self.site_weights)
+        scorer = SpanScorer(rows, self.whitening.sites, site_weights)
         labels: list[list[int]] = []
         sequences, margins = grow_sequences(self.target, self.sites, scorer, bag, batch_size, length,
-                                            self.options.lm_weight, beam=self.options.beam,
+                                            lm_weight, beam=self.options.beam,
                                             label_candidates=self.options.label_candidates, labels=labels,
                                             **self._screen)
         clock.lap("search")
@@ -133,7 +164,7 @@ class BatchedLoRA:
         current = simulate(sequences) if checked and passes else None
         residual = least_squares_check(flat, current)[0] if current is not None else None
         for _ in range(passes):
-            refined = refine_sequences(self.target, self.sites, scorer, bag, sequences, self.options.lm_weight,
+            refined = refine_sequences(self.target, self.sites, scorer, bag, sequences, lm_weight,
                                        self.options.beam, **self._screen)
             refined_labels = likeliest_labels(self.target, refined, self.options.label_candidates)
             for sequence, label in zip(refined, refined_labels):

@@ -236,3 +236,5 @@ def _diagnose(tally: Tally, attack: Attack, found: Reconstruction, ids: Tensor) 
             tally.diagnostics.setdefault("residual", []).append(diagnostics["residual"])
         mode = "certified" if found.certified_update else "best effort"
         tally.modes[mode] = tally.modes.get(mode, 0) + 1
+        if diagnostics.get("second_opinion") is not None:  # searched again: was the second result kept?
+            tally.diagnostics.setdefault("second_opinion", []).append(bool(diagnostics["second_opinion"]))

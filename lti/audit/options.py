@@ -109,8 +109,10 @@ class AttackOptions:
             prior, and a least-squares check of the result against the update. Needs no trained checkpoint.
         batched_search: The batched attack's bag recovery and search (beam, prior weight, refinement, screen).
         batched_scorer: A learned scorer's weights file for the batched search (`exact.batched.scorer`: one weight
-            per site and one for the prior, replacing `batched_search.lm_weight`); None: fitted by the audit itself
-            (see `batched_scorer_updates`).
+            per site and one for the prior); None: fitted by the audit itself (see `batched_scorer_updates`).
+        batched_scorer_role: How the learned scorer is used: `second_opinion` (the hand-set search first; a result
+            whose refit residual is above `batched_search.second_opinion_above` is searched again with the learned
+            scorer, and the lower residual's result kept) or `replace` (the learned scorer alone).
         batched_scorer_updates: Without a weights file, the audit fits the learned scorer on this many updates of
             B sequences it simulates from its own auxiliary blocks (after the whitening's; cached in the run
             folder); 0: every site weighs 1 (the hand-set score; on held-out text it read as well or better than the
@@ -133,6 +135,7 @@ class AttackOptions:
     batched: bool = True
     batched_search: BatchedOptions = field(default_factory=BatchedOptions)
     batched_scorer: str | None = None
+    batched_scorer_role: Literal["second_opinion", "replace"] = "second_opinion"
     batched_scorer_updates: int = 0
     whitening_blocks: int = 256
     checkpoint: str | None = None
@@ -153,6 +156,8 @@ class AttackOptions:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"attacks.{name}={value} must be finite and >= 0")
+        if self.batched_scorer_role not in ("second_opinion", "replace"):
+            raise ValueError(f"attacks.batched_scorer_role={self.batched_scorer_role!r} is not second_opinion or replace")
         if self.batched_scorer_updates < 0:
             raise ValueError(f"attacks.batched_scorer_updates={self.batched_scorer_updates} must be >= 0")
         if self.whitening_blocks < 1:

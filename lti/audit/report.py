@@ -148,6 +148,9 @@ def _how(scores: dict | None) -> str:
     residual = scores.get("residual")
     if residual:
         modes += f"; refit residual {min(residual):.1e}–{max(residual):.1e}"
+    second = scores.get("second_opinion")
+    if second:
+        modes += f"; searched again with the learned scorer on {len(second)} (its result kept on {sum(second)})"
     return modes
 
 

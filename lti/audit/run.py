@@ -278,19 +278,25 @@ class Audit:
             weights = ScorerWeights.load(attacks.batched_scorer, fingerprint, len(sites))
         elif attacks.batched_scorer_updates > 0 and self.options.federation.local_steps() == 1:
             weights = self._fit_scorer(whitening, sites, aux_ids[attacks.whitening_blocks :], fingerprint)
-        site_weights = None
+        site_weights = second = None
         if weights is not None:
             from dataclasses import replace
 
             source = attacks.batched_scorer or (f"fitted on {attacks.batched_scorer_updates} updates of B = "
                                                 f"{self.options.federation.batch_size} simulated from the server's "
                                                 "auxiliary text")
-            self.notes.append(f"The batched attack scores extensions with a learned scorer ({source}): one weight per "
-                              f"adapted layer and {weights.lm:.2f} for the global model's prior.")
-            options, site_weights = replace(options, lm_weight=weights.lm), weights.sites
+            if attacks.batched_scorer_role == "replace":
+                self.notes.append(f"The batched attack scores extensions with a learned scorer ({source}): one weight "
+                                  f"per adapted layer and {weights.lm:.2f} for the global model's prior.")
+                options, site_weights = replace(options, lm_weight=weights.lm), weights.sites
+            else:
+                self.notes.append(f"The batched attack searches again with a learned scorer ({source}) where the "
+                                  f"refit residual of its hand-set search is above {options.second_opinion_above}, "
+                                  "and keeps the result of lower residual.")
+                second = (weights.sites, weights.lm)
         # The least-squares check refits a FedSGD update by the sequences' own updates; a FedAvg client's mean
         # gradient along its path is not such a combination.
-        return BatchedAttack(options, whitening=whitening, site_weights=site_weights,
+        return BatchedAttack(options, whitening=whitening, site_weights=site_weights, second_opinion=second,
                              check=self.options.federation.local_steps() == 1)
 
     def _fit_scorer(self, whitening, sites, blocks: torch.Tensor, fingerprint: str):

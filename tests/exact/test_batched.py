@@ -336,3 +336,40 @@ def test_refinement_regrows_a_wrong_sequence_against_the_others_inputs():
     refined = refine_sequences(pipe.target, sites, scorer, bag, wrong, beam=2)
     assert refined[0][:-1] == ids[0, :-1].tolist()
     assert [s[-1] for s in refined] == [s[-1] for s in wrong]  # the labels stay the refit's
+
+
+def test_a_doubted_result_is_searched_again_with_the_second_scorer_and_the_lower_residual_kept(monkeypatch):
+    """The first search's sites are silenced (weight 0: the random model's prior alone picks tokens), the second
+    opinion weighs every site: searched again where the residual is above the threshold, and the second result,
+    of lower residual, kept; below the threshold no second search runs."""
+    from exact.batched import BatchedLoRA, BatchedOptions
+
+    pipe = pipeline(2)
+    ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(17))
+    update = update_of(pipe, ids)
+    flat = pipe({"input_ids": ids[None]}, keep_update=True).update[0]
+    single = pipe.with_client(FedSGDClient("eval", 1))
+
+    def simulate(sequences):
+        return single({"input_ids": torch.tensor(sequences)[:, None]}, keep_update=True).update
+
+    sites = adapter_sites(list(pipe.names))
+    whitening = SiteWhitening.fit(pipe.target, sites, torch.randint(0, VOCAB, (32, 5)))
+    silent, every = torch.zeros(len(sites), dtype=torch.float64), torch.ones(len(sites), dtype=torch.float64)
+    options = dict(label_candidates=4, beam=2, refine=1, lm_weight=1.0)
+    alone = BatchedLoRA(pipe.target, list(pipe.names), whitening, BatchedOptions(**options), site_weights=silent)
+    first = alone.attack(update, 2, 5, simulate, flat)
+    assert first.second_opinion is None and first.residual > 1e-3
+    doubting = BatchedLoRA(pipe.target, list(pipe.names), whitening, BatchedOptions(second_opinion_above=0.0, **options),
+                           site_weights=silent, second_opinion=(every, 0.0))
+    result = doubting.attack(update, 2, 5, simulate, flat)
+    assert result.other is not None and first.residual in (result.residual, result.other.residual)
+    assert result.residual == min(result.residual, result.other.residual)
+    assert any(key.startswith("second_") for key in result.seconds)
+    # The sites' own search reads more of these inputs than the random prior: the second opinion wins here.
+    assert result.second_opinion and result.other.sequences == first.sequences and result.residual < first.residual
+    trusting = BatchedLoRA(pipe.target, list(pipe.names), whitening,
+                           BatchedOptions(second_opinion_above=first.residual + 1, **options), site_weights=silent,
+                           second_opinion=(every, 0.0))
+    kept = trusting.attack(update, 2, 5, simulate, flat)
+    assert kept.second_opinion is None and kept.sequences == first.sequences

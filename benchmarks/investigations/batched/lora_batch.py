@@ -104,6 +104,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="extensions per sequence scored by every site after the screen")
     parser.add_argument("--scorer", default=None, help="learned scorer weights (train_scorer's output); "
                         "their prior weight replaces --lm-weight")
+    parser.add_argument("--second-opinion", default=None,
+                        help="learned scorer weights searched again with when the refit residual is above "
+                             "--second-opinion-above (the lower residual's result is kept)")
+    parser.add_argument("--second-opinion-above", type=float, default=BatchedOptions.second_opinion_above)
     parser.add_argument("--whitening-blocks", type=int, default=512, help="auxiliary blocks the whitening reads")
     parser.add_argument("--whitening-cache", default="runs/whitening/smollm2_lora.safetensors")
     parser.add_argument("--out", required=True, help="JSONL file: one line per update")
@@ -121,9 +125,14 @@ def main(argv: list[str] | None = None) -> None:
         weights = ScorerWeights.load(args.scorer, bench.fingerprint, len(bench.sites))
     options = BatchedOptions(lm_weight=weights.lm if weights else args.lm_weight, beam=args.beam,
                              label_candidates=max(1, args.label_candidates), refine=args.refine,
-                             screen_sites=args.screen_sites, shortlist=args.shortlist)
+                             screen_sites=args.screen_sites, shortlist=args.shortlist,
+                             second_opinion_above=args.second_opinion_above)
+    second = None
+    if args.second_opinion:
+        other = ScorerWeights.load(args.second_opinion, bench.fingerprint, len(bench.sites))
+        second = (other.sites, other.lm)
     attack = BatchedLoRA(bench.target, bench.names, bench.whitening, options,
-                         site_weights=weights.sites if weights else None)
+                         site_weights=weights.sites if weights else None, second_opinion=second)
     simulate = bench.simulate
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -147,7 +156,12 @@ def main(argv: list[str] | None = None) -> None:
                        "seconds": seconds, "residual": found.residual, "certified": found.certified,
                        "label_candidates": args.label_candidates, "refine": args.refine,
                        "screen_sites": args.screen_sites, "shortlist": args.shortlist, "scorer": args.scorer, "clip_norm": args.clip_norm,
-                       "phase_seconds": {k: round(v, 2) for k, v in found.seconds.items()}}
+                       "phase_seconds": {k: round(v, 2) for k, v in found.seconds.items()},
+                       "second_opinion": found.second_opinion, "second_opinion_file": args.second_opinion}
+                if found.other is not None:  # the result not kept, scored too: what the choice gained or lost
+                    other = score_batch(found.other.sequences, ids, None, decode)
+                    row["other_token_acc"] = other["correct"] / other["tokens"]
+                    row["other_residual"] = found.other.residual
                 log.write(json.dumps(row) + "\n")
                 log.flush()
                 print(json.dumps(row), flush=True)
