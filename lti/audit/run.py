@@ -275,7 +275,11 @@ class Audit:
         if attacks.batched_scorer is not None:
             from exact.batched.scorer import ScorerWeights
 
-            weights = ScorerWeights.load(attacks.batched_scorer, fingerprint, len(sites))
+            try:
+                weights = ScorerWeights.load(attacks.batched_scorer, fingerprint, len(sites))
+            except ValueError as error:  # e.g. the default config's scorer under another rank or model
+                raise ValueError(f"attacks.batched_scorer: {error}; pass --attacks.batched_scorer null (or fit one in "
+                                 "the audit: --attacks.batched_scorer null --attacks.batched_scorer_updates 8)") from None
         elif attacks.batched_scorer_updates > 0 and self.options.federation.local_steps() == 1:
             weights = self._fit_scorer(whitening, sites, aux_ids[attacks.whitening_blocks :], fingerprint)
         site_weights = second = None
