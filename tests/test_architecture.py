@@ -39,7 +39,7 @@ SIDE_BY_SIDE: tuple = ()
 #: The Lightning wrappers: the only modules that may import lightning.
 LIGHTNING_WRAPPERS = {
     "datamodules.inversion_data", "datamodules.text_inversion", "datamodules.vision_inversion",
-    "exact.callbacks", "exact.callbacks.base", "exact.callbacks.dager", "exact.callbacks.spear",
+    "exact.callbacks", "exact.callbacks.attacks", "exact.callbacks.base", "exact.callbacks.dager", "exact.callbacks.spear",
     "lti.module", "lti.vision_module", "lti.results", "lti.curves", "lti.trainer_cli",
     "lti.console", "lti.exact_only", "lti.final_validation", "lti.candidates.module",
 }
