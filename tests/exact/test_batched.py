@@ -285,12 +285,11 @@ def test_site_weights_weigh_the_terms_and_a_wrong_count_is_refused():
         SpanScorer(rows, whitening.sites, torch.ones(3))
 
 
-def test_a_refinement_pass_is_kept_only_when_it_lowers_the_refit_residual(monkeypatch):
-    import exact.batched.attack as attack_module
-    from exact.batched import BatchedLoRA, BatchedOptions
-
+def checked_batch(seed: int):
+    """A B = 2 update (L = 5) with what the least-squares check needs: (pipeline, ids, update by name, flat update,
+    the server's per-sequence simulation, sites, whitening)."""
     pipe = pipeline(2)
-    ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(13))
+    ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(seed))
     update = update_of(pipe, ids)
     flat = pipe({"input_ids": ids[None]}, keep_update=True).update[0]
     single = pipe.with_client(FedSGDClient("eval", 1))
@@ -300,6 +299,14 @@ def test_a_refinement_pass_is_kept_only_when_it_lowers_the_refit_residual(monkey
 
     sites = adapter_sites(list(pipe.names))
     whitening = SiteWhitening.fit(pipe.target, sites, torch.randint(0, VOCAB, (32, 5)))
+    return pipe, ids, update, flat, simulate, sites, whitening
+
+
+def test_a_refinement_pass_is_kept_only_when_it_lowers_the_refit_residual(monkeypatch):
+    import exact.batched.attack as attack_module
+    from exact.batched import BatchedLoRA, BatchedOptions
+
+    pipe, ids, update, flat, simulate, sites, whitening = checked_batch(13)
     options = dict(label_candidates=1, beam=2)
     searched = BatchedLoRA(pipe.target, list(pipe.names), whitening, BatchedOptions(refine=0, **options)).attack(
         update, 2, 5, simulate, flat).sequences
@@ -344,17 +351,7 @@ def test_a_doubted_result_is_searched_again_with_the_second_scorer_and_the_lower
     of lower residual, kept; below the threshold no second search runs."""
     from exact.batched import BatchedLoRA, BatchedOptions
 
-    pipe = pipeline(2)
-    ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(17))
-    update = update_of(pipe, ids)
-    flat = pipe({"input_ids": ids[None]}, keep_update=True).update[0]
-    single = pipe.with_client(FedSGDClient("eval", 1))
-
-    def simulate(sequences):
-        return single({"input_ids": torch.tensor(sequences)[:, None]}, keep_update=True).update
-
-    sites = adapter_sites(list(pipe.names))
-    whitening = SiteWhitening.fit(pipe.target, sites, torch.randint(0, VOCAB, (32, 5)))
+    pipe, ids, update, flat, simulate, sites, whitening = checked_batch(17)
     silent, every = torch.zeros(len(sites), dtype=torch.float64), torch.ones(len(sites), dtype=torch.float64)
     options = dict(label_candidates=4, beam=2, refine=1, lm_weight=1.0)
     alone = BatchedLoRA(pipe.target, list(pipe.names), whitening, BatchedOptions(**options), site_weights=silent)
