@@ -16,7 +16,6 @@ from jsonargparse import lazy_instance
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from datamodules.federated import NextTokenLoss
 from datamodules.inversion_data import InversionDataModule
 from datamodules.inversion_spec import InversionSpec
 from datamodules.registry import materialize
@@ -31,6 +30,7 @@ from datamodules.text import (
     tokenize_splits,
 )
 from datamodules.text.pseudo import load_counts, token_counts
+from datamodules.threat_model import ThreatModel
 from datamodules.training_stream import SampledStream
 
 
@@ -90,7 +90,13 @@ class TextInversionDataModule(InversionDataModule):
         self.corpus = corpus
         self.training_data, self.marginal_file = training_data, marginal_file
         self.seq_len, self.packing = seq_len, packing
-        self._build_pipeline(target, NextTokenLoss())
+        # The server's knowledge of the deployment, the same object `lti audit` and the Python API build
+        # (its content is recorded by the CLI that parsed this DataModule's config: `lti.trainer_cli`).
+        settings = self.observation
+        self.threat_model = ThreatModel(target, settings.client, settings.defense, settings.observed,
+                                        settings.hashing, tokenizer, seq_len, loaded_tokenizer=self.tokenizer)
+        self.pipeline = self.threat_model.pipeline
+        self.target = self.pipeline.target
         self.pseudo_batches_per_epoch, self.pseudo_pool_size = pseudo_batches_per_epoch, pseudo_pool_size
         # The pool is a split of its own, so exact attacks' priors (prior_split) and the majority
         # baseline stay on the real auxiliary text.

@@ -59,6 +59,13 @@ def _parser() -> ArgumentParser:
     return parser
 
 
+def _parse(parser: ArgumentParser, content: dict):
+    try:
+        return parser.parse_object(content)
+    except Exception as error:  # jsonargparse's message names the key and what it expected
+        raise ValueError(f"threat model config: {str(error).splitlines()[0]}") from None
+
+
 class ThreatModel:
     """The server's knowledge of a deployment; `pipeline` turns client batches into what it observes.
 
@@ -69,13 +76,15 @@ class ThreatModel:
 
     def __init__(self, target: torch.nn.Module, client: ClientProtocol | None = None, defense: Defense | None = None,
                  observed: ParameterSelection | None = None, hashing: Hashing | None = None,
-                 tokenizer: str = "embedded-gpt2", seq_len: int = 16, content: dict | None = None) -> None:
+                 tokenizer: str = "embedded-gpt2", seq_len: int = 16, content: dict | None = None,
+                 loaded_tokenizer=None) -> None:
+        """`loaded_tokenizer`: the tokenizer `tokenizer` names, when the caller has loaded it already."""
         if seq_len < 2:
             raise ValueError(f"seq_len={seq_len} must be >= 2 (a sequence's last token is a label only)")
         self.pipeline = UpdatePipeline(target, client, defense, observed, hashing)
         self.tokenizer_name, self.seq_len = tokenizer, int(seq_len)
         self._content = content
-        self._tokenizer = self._single = None
+        self._tokenizer, self._single = loaded_tokenizer, None
 
     @classmethod
     def from_config(cls, source: str | os.PathLike | dict) -> ThreatModel:
@@ -95,26 +104,37 @@ class ThreatModel:
         if unknown:
             raise ValueError(f"threat model config has unknown key {unknown[0]!r}; its keys are {', '.join(KEYS)}")
         parser = _parser()
-        try:
-            parsed = parser.parse_object(content)
-        except Exception as error:  # jsonargparse's message names the key and what it expected
-            raise ValueError(f"threat model config: {str(error).splitlines()[0]}") from None
+        parsed = _parse(parser, content)
         normalised = yaml.safe_load(parser.dump(parsed, skip_none=False))
         parts = _build(**vars(parser.instantiate_classes(parsed)))
         return cls(**parts, content=normalised)
 
     @classmethod
-    def from_pipeline(cls, pipeline: UpdatePipeline, seq_len: int, tokenizer: str = "embedded-gpt2") -> ThreatModel:
+    def from_pipeline(cls, pipeline: UpdatePipeline, seq_len: int, tokenizer: str = "embedded-gpt2",
+                      loaded_tokenizer=None) -> ThreatModel:
         """Around a pipeline already built (its target, client, defense and observed parameters, shared)."""
         threat = cls.__new__(cls)
         threat.pipeline, threat.tokenizer_name, threat.seq_len = pipeline, tokenizer, int(seq_len)
-        threat._content = threat._tokenizer = threat._single = None
+        threat._content, threat._tokenizer, threat._single = None, loaded_tokenizer, None
         return threat
+
+    def record_content(self, section: dict) -> None:
+        """Remember the config this threat model was built from (a DataModule's `data:` section: its
+        threat-model keys are kept, normalised with every default filled in), so that `to_dict` can store
+        it by content. The config is parsed again, not instantiated."""
+        parser = _parser()
+        content = {key: section[key] for key in KEYS if key in section}
+        self._content = yaml.safe_load(parser.dump(_parse(parser, content), skip_none=False))
 
     @classmethod
     def from_dict(cls, content: dict) -> ThreatModel:
         """The inverse of `to_dict`."""
         return cls.from_config(dict(content))
+
+    @property
+    def has_content(self) -> bool:
+        """Whether it was built from a config (and `to_dict` can store it by content)."""
+        return self._content is not None
 
     def to_dict(self) -> dict:
         """The content this threat model was built from, every default filled in (a config `from_dict` reads)."""

@@ -66,6 +66,9 @@ class LearnedInversionModule(LightningModule):
         # the command line's, so a saved `decoding` would silently replace `--model.decoding` on test.
         self.save_hyperparameters(ignore=["inverter", *EVALUATION_ONLY], frame=inspect.currentframe().f_back)
         self.run_notes: list[str] = []  # said once per run (e.g. an exact attack that cannot be exact); in results files
+        #: The inverter's config ({class_path, init_args}), set by the CLI that parsed it: stored in checkpoints so
+        #: that the inverter loads from its checkpoint alone.
+        self.inverter_record: dict | None = None
         return materialize(inverter)
 
     @property
@@ -103,6 +106,12 @@ class LearnedInversionModule(LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["lti"] = {"hash_spec": self.data.pipeline.spec.to_dict(), "setting": self.data.describe(),
                              "problem": self._problem()}
+        # By content, where the CLI recorded it: the checkpoint means the same after its config file changes.
+        threat_model = getattr(self.data, "threat_model", None)
+        if threat_model is not None and threat_model.has_content:
+            checkpoint["lti"]["threat_model"] = threat_model.to_dict()
+        if self.inverter_record is not None:
+            checkpoint["lti"]["inverter"] = self.inverter_record
 
     def _problem(self) -> dict:
         """The data-side sizes that fix the inverter's shapes (none here: the state dict's shapes say them)."""

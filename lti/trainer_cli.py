@@ -185,6 +185,10 @@ class LTICLI(LightningCLI):
         model = self.config[subcommand].get("model")
         return model.get("init_args", model) if model is not None else None
 
+    def instantiate_classes(self) -> None:
+        super().instantiate_classes()
+        record_configs(self.model, self.datamodule, self.config[self.subcommand] if self.subcommand else self.config)
+
     def instantiate_trainer(self, **kwargs):
         trainer = super().instantiate_trainer(**kwargs)
         configured = self._get(self.config_init, "trainer", default={}).get("callbacks") or []
@@ -267,6 +271,24 @@ class LTICLI(LightningCLI):
         line = describe_checkpoints(checkpoint.dirpath) if checkpoint is not None and checkpoint.dirpath else None
         if line:
             self._say(line)
+
+
+def record_configs(model: LightningModule, data: LightningDataModule, config) -> None:
+    """Give the DataModule's threat model and the module's inverter the config they were built from, so that
+    checkpoints store both by content (`ThreatModel.to_dict`, `inverter_record`) and an inverter loads from
+    its checkpoint alone (`lti.audit.attacks.LearnedInverter.from_checkpoint`)."""
+    def init_args(section):
+        if section is None:
+            return {}
+        section = section.as_dict() if hasattr(section, "as_dict") else dict(section)
+        return section.get("init_args", section) if "class_path" in section else section
+
+    threat_model = getattr(data, "threat_model", None)
+    if threat_model is not None:
+        threat_model.record_content(init_args(config.get("data")))
+    inverter = init_args(config.get("model")).get("inverter")
+    if inverter is not None and hasattr(model, "inverter"):
+        model.inverter_record = inverter.as_dict() if hasattr(inverter, "as_dict") else dict(inverter)
 
 
 def trainer_defaults() -> dict:

@@ -51,8 +51,9 @@ class AttackCallback(ExactAttackCallback):
 
     def _threat_model(self, data: AttackData, pipeline: UpdatePipeline) -> ThreatModel:
         if self._threat is None or self._threat.pipeline is not pipeline:
-            self._threat = ThreatModel.from_pipeline(pipeline, data.seq_len)
-            self._threat._tokenizer = data.tokenizer
+            own = getattr(data, "threat_model", None)
+            self._threat = (own if own is not None and own.pipeline is pipeline
+                            else ThreatModel.from_pipeline(pipeline, data.seq_len, loaded_tokenizer=data.tokenizer))
             for attack in self.attacks:  # the server's own text, for attacks that need it
                 if getattr(attack, "needs_server_text", lambda: False)():
                     attack.use_server_text(data.blocks(data.prior_split)[0])

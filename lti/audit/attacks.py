@@ -57,32 +57,55 @@ class Tally:
 
 
 class LearnedInverter:
-    """An `lti fit` inverter checkpoint, bound to the threat model's DataModule and loaded read-only."""
-
-    def __init__(self, module: nn.Module, data, checkpoint: str) -> None:
-        saved = load_checked(checkpoint, lambda: torch.load(checkpoint, map_location="cpu", weights_only=True))
-        spec = saved.get("lti", {}).get("hash_spec")
-        if spec is None:
-            raise ValueError(f"{checkpoint} has no hash spec: it was not written by this workbench")
-        difference = data.pipeline.spec.difference(HashSpec.from_dict(spec))
-        if difference:
-            raise ValueError(f"{checkpoint} was trained under another threat model than the audit's: {difference}")
-        module.inverter.bind(data.inversion_spec)
-        try:
-            module.load_state_dict(saved["state_dict"], strict=True)
-        except RuntimeError as error:
-            raise ValueError(f"{checkpoint} does not fit the threat model's inverter: {str(error).splitlines()[0]}") from None
-        self.module = module.eval()
-        self.sequences = data.samples_per_update
-        self.checkpoint = checkpoint
-        self.setting = saved.get("lti", {}).get("setting", {})
+    """An `lti fit` inverter checkpoint as an attack, in plain PyTorch: `LearnedInverter.from_checkpoint(path)`
+    rebuilds the inverter and its threat model from what the checkpoint stores by content (no config file,
+    no DataModule); given a threat model, the checkpoint must have been trained on its observed updates."""
 
     name = "learned"
+
+    def __init__(self, inverter: nn.Module, threat_model: ThreatModel, sequences: int, checkpoint: str,
+                 setting: dict | None = None) -> None:
+        self.inverter, self.threat_model = inverter.eval(), threat_model
+        self.sequences, self.checkpoint, self.setting = sequences, checkpoint, setting or {}
+
+    @classmethod
+    def from_checkpoint(cls, path: str, threat_model: ThreatModel | None = None) -> LearnedInverter:
+        """The checkpoint's inverter, bound to `threat_model` (default: the one stored in the checkpoint),
+        loaded read-only (`weights_only`)."""
+        from datamodules.inversion_spec import InversionSpec
+
+        saved = load_checked(path, lambda: torch.load(path, map_location="cpu", weights_only=True))
+        record = saved.get("lti", {})
+        if "hash_spec" not in record:
+            raise ValueError(f"{path} has no hash spec: it was not written by this workbench")
+        if "inverter" not in record or (threat_model is None and "threat_model" not in record):
+            raise ValueError(f"{path} does not record its inverter and threat model (written by an older lti fit): "
+                             "train it again, or evaluate it with lti test --ckpt_path")
+        if threat_model is None:
+            threat_model = ThreatModel.from_dict(record["threat_model"])
+        difference = threat_model.pipeline.spec.difference(HashSpec.from_dict(record["hash_spec"]))
+        if difference:
+            raise ValueError(f"{path} was trained under another threat model: {difference}")
+        problem = record["problem"]
+        inverter = inverter_from_record(record["inverter"])
+        vocab = int(problem["vocab_size"])
+        # The embedding is the global model's (not saved with the inverter); the token counts only set the
+        # output bias's initial value, which the state dict replaces.
+        inverter.bind(InversionSpec(int(problem["num_features"]), int(problem["num_positions"]), vocab,
+                                    threat_model.target.embedding_matrix.detach().cpu(), torch.zeros(vocab)))
+        state = {name[len("inverter."):]: value for name, value in saved["state_dict"].items()
+                 if name.startswith("inverter.")}
+        try:
+            inverter.load_state_dict(state, strict=True)
+        except RuntimeError as error:
+            raise ValueError(f"{path} does not fit its recorded inverter: {str(error).splitlines()[0]}") from None
+        return cls(inverter, threat_model, int(problem["num_positions"]) // threat_model.seq_len, path,
+                   record.get("setting", {}))
 
     @torch.no_grad()
     def predict(self, features: Tensor) -> Tensor:
         """(U, k) hashed updates -> (U, m*L) token ids (argmax per slot)."""
-        return self.module(features.float()).argmax(-1)
+        return self.inverter(features.float()).argmax(-1)
 
     def reads(self, batch_size: int) -> bool:
         return batch_size == self.sequences
@@ -91,6 +114,24 @@ class LearnedInverter:
         start = time.perf_counter()
         tokens = self.predict(threat_model.pipeline.hasher(update.reshape(1, -1)))[0].view(batch_size, -1).tolist()
         return Reconstruction(tokens, [False] * batch_size, seconds=time.perf_counter() - start)
+
+
+def inverter_from_record(record: dict) -> nn.Module:
+    """An inverter from its config ({class_path, init_args}, as a checkpoint records it); only the workbench's
+    own inverter classes are imported (a checkpoint is data: it names no other code to run)."""
+    from jsonargparse import ArgumentParser
+
+    from lti.inverters import Inverter
+
+    class_path = str(record.get("class_path", ""))
+    if not class_path.startswith("lti."):
+        raise ValueError(f"the checkpoint's inverter {class_path!r} is not one of the workbench's (lti.*)")
+    parser = ArgumentParser(exit_on_error=False, default_env=False)
+    parser.add_argument("--inverter", type=Inverter)
+    try:
+        return parser.instantiate_classes(parser.parse_object({"inverter": record})).inverter
+    except Exception as error:  # jsonargparse names the option and what it expected
+        raise ValueError(f"the checkpoint's inverter: {str(error).splitlines()[0]}") from None
 
 
 class PointerAttack:

@@ -399,6 +399,46 @@ def test_an_inverter_of_another_threat_model_is_refused(tiny_inverter, tmp_path)
     assert not (tmp_path / "a").exists()
 
 
+def test_an_inverter_loads_from_its_checkpoint_alone_and_predicts_as_its_module(tiny_inverter):
+    """The checkpoint stores its threat model and inverter by content: `from_checkpoint` needs no config file and
+    predicts exactly what the Lightning module, built from the config and given the same weights, predicts."""
+    from datamodules.threat_model import ThreatModel
+    from lti.audit.attacks import LearnedInverter
+    from lti.trainer_cli import instantiate
+
+    saved = torch.load(tiny_inverter, map_location="cpu", weights_only=True)
+    assert saved["lti"]["threat_model"] == ThreatModel.from_config(TINY).to_dict()
+    assert saved["lti"]["inverter"]["class_path"] == "lti.inverters.EmbeddingInverter"
+    alone = LearnedInverter.from_checkpoint(tiny_inverter)
+    module, data = instantiate(TINY)
+    data.prepare_data()
+    data.setup("validate")
+    module.inverter.bind(data.inversion_spec)
+    module.load_state_dict(saved["state_dict"])
+    ids, _ = data.blocks("evaluation")
+    features = data.pipeline({"input_ids": ids[:3, None]}).features
+    with torch.no_grad():
+        expected = module.eval()(features.float()).argmax(-1)
+    assert torch.equal(alone.predict(features), expected)
+    assert alone.sequences == 1 and alone.threat_model.to_dict() == saved["lti"]["threat_model"]
+    found = alone.attack(data.pipeline({"input_ids": ids[:1, None]}, keep_update=True).update[0], alone.threat_model, 1)
+    assert found.sequences == expected[:1].tolist()
+
+
+def test_a_checkpoint_without_its_records_or_naming_foreign_code_is_refused(tiny_inverter, tmp_path):
+    from lti.audit.attacks import LearnedInverter
+
+    saved = torch.load(tiny_inverter, map_location="cpu", weights_only=True)
+    older = dict(saved, lti={k: v for k, v in saved["lti"].items() if k not in ("inverter", "threat_model")})
+    torch.save(older, tmp_path / "older.ckpt")
+    with pytest.raises(ValueError, match="does not record its inverter and threat model"):
+        LearnedInverter.from_checkpoint(str(tmp_path / "older.ckpt"))
+    foreign = dict(saved, lti=dict(saved["lti"], inverter={"class_path": "os.system", "init_args": {}}))
+    torch.save(foreign, tmp_path / "foreign.ckpt")
+    with pytest.raises(ValueError, match="is not one of the workbench's"):
+        LearnedInverter.from_checkpoint(str(tmp_path / "foreign.ckpt"))
+
+
 @pytest.fixture(scope="module")
 def tiny_pointer(tmp_path_factory):
     """A few steps of `lti candidates fit` on the tiny threat model's candidates: weights the audit can load."""

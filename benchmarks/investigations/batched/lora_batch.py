@@ -28,13 +28,14 @@ TAIL = 2048
 class Setup:
     """The threat model, its splits, the whitening, and the server's view of a client's update."""
 
-    def __init__(self, config: str, whitening_blocks: int, whitening_cache: str) -> None:
+    def __init__(self, config: str, whitening_blocks: int, whitening_cache: str,
+                 overrides: list[str] | None = None) -> None:
         from datamodules.federated.pipeline import target_fingerprint
         from exact.batched.sites import adapter_sites
         from exact.batched.whitening import SiteWhitening
         from lti.trainer_cli import instantiate
 
-        _, self.data = instantiate(config, [])
+        _, self.data = instantiate(config, overrides or [])
         self.data.prepare_data()
         self.data.setup("validate")
         self.server = self.data.pipeline
@@ -51,36 +52,58 @@ class Setup:
         self.fingerprint = target_fingerprint(self.target)
         self.whitening = SiteWhitening.load_or_fit(whitening_cache, self.target, self.sites,
                                                    aux[: self.whitening_blocks], self.fingerprint)
-        self._clients: dict[tuple[int, float], object] = {}
+        self._clients: dict[tuple[int, float, int], object] = {}
 
     def simulate(self, sequences: list[list[int]]) -> torch.Tensor:
         """The update each sequence alone gives (the server's own simulation, one sequence per update)."""
         return self.server({"input_ids": torch.tensor(sequences)[:, None]}, keep_update=True).update
 
-    def observed(self, ids: torch.Tensor, lr: float,
-                 clip_norm: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The client's FedSGD step on `ids` (B, L) returned in float32 and read back by the server:
-        (flat update, {name: gradient}). `clip_norm`: the step lr * g clipped to that norm first, as Flower's
-        `fixedclipping_mod` clips what a client returns."""
+    def observed(self, ids: torch.Tensor, lr: float, clip_norm: float | None = None, local_epochs: int = 1,
+                 local_dp: tuple[float, float] | None = None,
+                 seed: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The client's step on `ids` (B, L) returned in float32 and read back by the server:
+        (flat update, {name: gradient}).
+
+        `local_epochs` > 1: FedAvg, that many local SGD steps on the batch at `lr` (the audit's
+        `--federation.local_epochs`). `clip_norm`: the weight change clipped to that norm first, as Flower's
+        `fixedclipping_mod` clips what a client returns. `local_dp` = (epsilon, delta): Flower's `LocalDpMod`
+        on top of that clipping (sensitivity 2 * clip_norm, as the audit gives it), through Flower's own
+        clipping and noise functions, the noise drawn from `seed`."""
+        import numpy as np
+
         from lti.audit.attacks import observed_update
         from lti.audit.federation import adapter_state, client_pipeline
 
-        key = (ids.shape[0], lr)
+        key = (ids.shape[0], lr, local_epochs)
         if key not in self._clients:
-            self._clients[key] = client_pipeline(self.server, ids.shape[0], lr=lr)
+            self._clients[key] = client_pipeline(self.server, ids.shape[0], local_epochs=local_epochs, lr=lr)
         clients = self._clients[key]
         sent = adapter_state(clients)
-        gradient = clients({"input_ids": ids[None]}, keep_update=True).update[0]
-        if clip_norm is not None:
-            gradient = gradient * min(1.0, clip_norm / float(lr * gradient.double().norm()))
+        computed = clients({"input_ids": ids[None]}, keep_update=True).update[0]
+        # FedSGD's update is the gradient; FedAvg's is already the weight change w_start - w_end.
+        step = lr * computed if local_epochs == 1 else computed
+        if clip_norm is not None and local_dp is None:
+            step = step * min(1.0, clip_norm / float(step.double().norm()))
         returned, start = {}, 0
         for name, shape in clients.spec.parameters:
             size = int(torch.tensor(shape).prod())
-            returned[name] = (sent[name].float() - lr * gradient[start : start + size].view(shape)).float()
+            returned[name] = (sent[name].float() - step[start : start + size].view(shape)).float()
             start += size
+        if local_dp is not None:
+            from flwr.supercore.differential_privacy import add_gaussian_noise_inplace, compute_clip_model_update
+
+            if clip_norm is None:
+                raise ValueError("local DP needs --clip-norm (LocalDpMod's clipping norm)")
+            epsilon, delta = local_dp
+            arrays = [returned[name].numpy().copy() for name, _ in clients.spec.parameters]
+            compute_clip_model_update(arrays, [sent[name].float().numpy() for name, _ in clients.spec.parameters],
+                                      clip_norm)
+            np.random.seed(seed)  # Flower draws from numpy's global generator
+            add_gaussian_noise_inplace(arrays, 2 * clip_norm * np.sqrt(2 * np.log(1.25 / delta)) / epsilon)
+            returned = {name: torch.from_numpy(np.asarray(a, dtype=np.float32))
+                        for (name, _), a in zip(clients.spec.parameters, arrays)}
         update = observed_update(sent, returned, lr, self.names)
         return update, {name: grads[0].double() for name, grads in self.server.split(update[None]).items()}
-
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -93,6 +116,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--clip-norm", type=float, default=None,
                         help="clip each client's step lr * g to this norm (Flower's fixedclipping_mod; the audit's DP "
                              "table uses 0.01)")
+    parser.add_argument("--local-epochs", type=int, default=1,
+                        help="local SGD steps on the batch (> 1: FedAvg, as --federation.local_epochs)")
+    parser.add_argument("--local-dp-epsilon", type=float, default=None,
+                        help="Flower's LocalDpMod with this epsilon per round, clipping at --clip-norm")
+    parser.add_argument("--local-dp-delta", type=float, default=1e-5)
+    parser.add_argument("--set", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),
+                        help="an override of the threat model config, as lti fit takes it "
+                             "(e.g. --set data.client.init_args.rank 16, --set data.seq_len 32)")
     parser.add_argument("--lm-weight", type=float, default=0.5)
     parser.add_argument("--beam", type=int, default=4)
     parser.add_argument("--refine", type=int, default=BatchedOptions.refine, help="passes of refinement at most")
@@ -117,7 +148,9 @@ def main(argv: list[str] | None = None) -> None:
     from exact.batched import BatchedLoRA
     from exact.batched.scorer import ScorerWeights
 
-    bench = Setup(args.config, args.whitening_blocks, args.whitening_cache)
+    overrides = [item for key, value in args.set for item in (f"--{key}", value)]
+    bench = Setup(args.config, args.whitening_blocks, args.whitening_cache, overrides)
+    local_dp = None if args.local_dp_epsilon is None else (args.local_dp_epsilon, args.local_dp_delta)
     held_out = bench.evaluation if args.split == "evaluation" else bench.tail
     decode = lambda t: bench.data.tokenizer.decode(t)  # noqa: E731
     weights = None
@@ -141,7 +174,8 @@ def main(argv: list[str] | None = None) -> None:
             for k in range(args.first_update, args.first_update + args.updates):
                 generator = torch.Generator().manual_seed(7919 * batch + k)
                 ids = held_out[torch.randperm(held_out.shape[0], generator=generator)[:batch]]
-                update, split = bench.observed(ids, args.lr, args.clip_norm)
+                update, split = bench.observed(ids, args.lr, args.clip_norm, args.local_epochs, local_dp,
+                                               seed=7919 * batch + k)
                 began = time.perf_counter()
                 found = attack.attack(split, batch, ids.shape[1], simulate if args.label_candidates > 0 else None,
                                       update)
@@ -156,6 +190,8 @@ def main(argv: list[str] | None = None) -> None:
                        "seconds": seconds, "residual": found.residual, "certified": found.certified,
                        "label_candidates": args.label_candidates, "refine": args.refine,
                        "screen_sites": args.screen_sites, "shortlist": args.shortlist, "scorer": args.scorer, "clip_norm": args.clip_norm,
+                       "local_epochs": args.local_epochs, "local_dp_epsilon": args.local_dp_epsilon,
+                       "overrides": dict(args.set),
                        "phase_seconds": {k: round(v, 2) for k, v in found.seconds.items()},
                        "second_opinion": found.second_opinion, "second_opinion_file": args.second_opinion}
                 if found.other is not None:  # the result not kept, scored too: what the choice gained or lost
