@@ -14,6 +14,7 @@ results, `ThreatModel.from_dict` rebuilds the same threat model without the file
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,24 @@ def _parser() -> ArgumentParser:
     return parser
 
 
+def _override(content: dict, dotted: str, value: Any) -> None:
+    """Set `content[a][b]...` for the key `a.b...` (the intermediate mappings made where the config has none)."""
+    keys = dotted.split(".")
+    if keys[0] not in KEYS:
+        raise ValueError(f"override {dotted!r}: the threat model's keys are {', '.join(KEYS)}")
+    node = content
+    for key in keys[:-1]:
+        child = node.get(key)
+        if child is None:
+            child = node[key] = {}
+        elif isinstance(child, str):  # a class given by name alone: its arguments go beside it
+            child = node[key] = {"class_path": child}
+        elif not isinstance(child, dict):
+            raise ValueError(f"override {dotted!r}: {key!r} holds {child!r}, not a mapping")
+        node = child
+    node[keys[-1]] = value
+
+
 def _parse(parser: ArgumentParser, content: dict):
     try:
         return parser.parse_object(content)
@@ -87,8 +106,11 @@ class ThreatModel:
         self._tokenizer, self._single = loaded_tokenizer, None
 
     @classmethod
-    def from_config(cls, source: str | os.PathLike | dict) -> ThreatModel:
-        """From a YAML file or dict of the threat model's keys, or of an `lti fit` config (its `data:` section)."""
+    def from_config(cls, source: str | os.PathLike | dict, overrides: dict[str, Any] | None = None) -> ThreatModel:
+        """From a YAML file or dict of the threat model's keys, or of an `lti fit` config (its `data:` section).
+
+        `overrides`: dotted keys over the config, as `lti fit` takes them without `--data.`, e.g.
+        `{"client.init_args.rank": 16, "seq_len": 32}` (a leading `data.` is allowed)."""
         if isinstance(source, dict):
             raw = source
         else:
@@ -99,10 +121,12 @@ class ThreatModel:
         if not isinstance(raw, dict):
             raise ValueError(f"a threat model config is a mapping of {', '.join(KEYS)}; got {type(raw).__name__}")
         section = raw.get("data", raw) if isinstance(raw.get("data"), dict) else raw
-        content = {key: section[key] for key in KEYS if key in section}
+        content = copy.deepcopy({key: section[key] for key in KEYS if key in section})  # overrides leave `source` as it was
         unknown = [key for key in section if key not in KEYS] if section is raw else []
         if unknown:
             raise ValueError(f"threat model config has unknown key {unknown[0]!r}; its keys are {', '.join(KEYS)}")
+        for dotted, value in (overrides or {}).items():
+            _override(content, dotted.removeprefix("data."), value)
         parser = _parser()
         parsed = _parse(parser, content)
         normalised = yaml.safe_load(parser.dump(parsed, skip_none=False))

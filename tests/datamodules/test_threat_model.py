@@ -46,6 +46,21 @@ def test_it_is_stored_by_content_and_rebuilt_without_its_file(threat, tmp_path):
     assert ThreatModel.from_config(path).to_dict() == content
 
 
+def test_overrides_change_the_config_as_lti_fit_flags_would_and_leave_the_source_alone(threat):
+    from lti.trainer_cli import instantiate
+
+    source = yaml.safe_load(TINY.read_text())
+    before = json.dumps(source, sort_keys=True)
+    changed = ThreatModel.from_config(source, {"data.client.init_args.rank": 4, "seq_len": 6})
+    _, data = instantiate(str(TINY), ["--data.client.init_args.rank", "4", "--data.seq_len", "6"])
+    assert changed.pipeline.spec == data.pipeline.spec and changed.seq_len == 6
+    assert changed.pipeline.spec != threat.pipeline.spec  # rank 4 adapters: other shapes
+    assert changed.to_dict()["client"]["init_args"]["rank"] == 4
+    assert json.dumps(source, sort_keys=True) == before
+    with pytest.raises(ValueError, match="override 'clinet.rank': the threat model's keys are"):
+        ThreatModel.from_config(TINY, {"clinet.rank": 4})
+
+
 def test_bad_configs_are_refused_in_one_line(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         ThreatModel.from_config(tmp_path / "missing.yaml")
