@@ -1,9 +1,9 @@
-"""`lti candidates build|fit`: the candidate-pointer attack's two commands.
+"""`lti candidates build|fit|evaluate`: the candidate-pointer attack's commands.
 
     lti candidates build --config configs/audit/inverter_smollm2_lora.yaml --split auxiliary --out runs/candidates/aux.safetensors
     lti candidates build --config configs/audit/inverter_smollm2_lora.yaml --split evaluation --limit 512 --out runs/candidates/eval.safetensors
-    lti candidates fit --train runs/candidates/aux.safetensors --eval runs/candidates/eval.safetensors --out_dir runs/candidates/fit
-    lti candidates evaluate --pointer runs/candidates/fit/pointer.safetensors --eval runs/candidates/eval.safetensors --decode argmax lm
+    lti candidates fit --train '[runs/candidates/aux.safetensors]' --eval '[runs/candidates/eval.safetensors]' --out_dir runs/candidates/fit
+    lti candidates evaluate --pointer runs/candidates/fit/pointer.safetensors --eval '[runs/candidates/eval.safetensors]' --decode '[argmax, lm]'
     # the second-layer check needs each update's second-layer gradient in the file: build with --second_layer
 
 `build` simulates one update per block under the config's threat model (its target, client, defense)
@@ -11,54 +11,29 @@ and stores each update's candidates; `fit` trains the pointer on the training fi
 the evaluation file's (held-out client text), writing `curve.csv`, checkpoints, the final weights
 (`pointer.safetensors`) and `result.json` (the last evaluation, never the best) to --out_dir;
 `evaluate` decodes a trained pointer's output with each rule of `lti.candidates.decoding`.
+
+Each command's options are a dataclass of `lti.candidates.options`, parsed by jsonargparse
+(`lti.candidates.command_line`): `fit` and `evaluate` also read them from `--config FILE` (`build`'s
+`--config` is the threat model's `lti fit` config, as before). Lists are written `--eval '[a, b]'`;
+the argparse spelling `--eval a b` still works, with one line on stderr.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import sys
 import time
 
 from lti.atomic_files import write_text_atomically
-from lti.candidates.decoding import DECODERS
+from lti.candidates.options import BuildOptions, EvaluateOptions, FitOptions
+
+#: The commands, their options and whether they read a `--config FILE` of them (`build`'s `--config`
+#: names the threat model instead).
+COMMANDS: dict[str, tuple[type, bool]] = {"build": (BuildOptions, False), "fit": (FitOptions, True),
+                                          "evaluate": (EvaluateOptions, True)}
 
 
-def _at_least(args: argparse.Namespace, minimum: int, *names: str) -> None:
-    """Refuses integer options below `minimum` (None: not given, allowed)."""
-    for name in names:
-        value = getattr(args, name)
-        if value is not None and value < minimum:
-            raise ValueError(f"--{name} {value} must be >= {minimum}")
-
-
-def _check_build(args: argparse.Namespace) -> None:
-    _at_least(args, 1, "count", "limit", "batch", "shards")
-    _at_least(args, 0, "skip")
-
-
-def _check_fit(args: argparse.Namespace) -> None:
-    _at_least(args, 1, "max_steps", "val_every", "batch_size", "hidden", "layers", "heads")
-    _at_least(args, 0, "holdout")
-    if args.hidden % args.heads:
-        raise ValueError(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
-    if not (math.isfinite(args.dropout) and 0 <= args.dropout < 1):
-        raise ValueError(f"--dropout {args.dropout} must be in [0, 1)")
-    if not (math.isfinite(args.lr) and args.lr > 0):
-        raise ValueError(f"--lr {args.lr} must be finite and > 0")
-    if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
-        raise ValueError(f"--weight_decay {args.weight_decay} must be finite and >= 0")
-
-
-def _check_evaluate(args: argparse.Namespace) -> None:
-    _at_least(args, 1, "tail", "limit", "beam")
-    bad = [w for w in (*args.lm_weight, *args.second_weight) if not (math.isfinite(w) and w >= 0)]
-    if bad:
-        raise ValueError(f"--lm_weight and --second_weight must be finite and >= 0, not {bad[0]}")
-
-
-def _rows_to_evaluate(data, args: argparse.Namespace):
+def _rows_to_evaluate(data, args: EvaluateOptions):
     """The blocks `--tail` and `--limit` select; a count beyond the files' blocks is refused (it would
     silently evaluate fewer blocks than asked, or, for --tail, blocks the pointer may have trained on)."""
     files = ", ".join(args.eval)
@@ -74,24 +49,21 @@ def _rows_to_evaluate(data, args: argparse.Namespace):
     return data
 
 
-def _build(args: argparse.Namespace) -> None:
+def _build(args: BuildOptions) -> None:
     from lti.candidates.evidence_file import build
-
-    _check_build(args)
 
     for path in build(args.config, args.split, args.out, args.count, args.limit, args.overrides, args.batch,
                       args.device, args.shards, args.overwrite, args.skip, args.second_layer):
         print(f"wrote {path}")
 
 
-def _fit(args: argparse.Namespace, argv: list[str]) -> None:
+def _fit(args: FitOptions, argv: list[str]) -> None:
     from lti.candidates.module import fit
 
-    _check_fit(args)
     print(json.dumps(fit(args, "lti candidates " + " ".join(argv)), indent=2))
 
 
-def _evaluate(args: argparse.Namespace, argv: list[str]) -> None:
+def _evaluate(args: EvaluateOptions, argv: list[str]) -> None:
     import torch
 
     from datamodules.metrics import rouge_f
@@ -101,7 +73,6 @@ def _evaluate(args: argparse.Namespace, argv: list[str]) -> None:
     from lti.candidates.weights import load_pointer
     from lti.trainer_cli import instantiate
 
-    _check_evaluate(args)
     data = _rows_to_evaluate(load(args.eval), args)
     if not len(data):
         raise ValueError(f"no blocks to evaluate in {', '.join(args.eval)}")
@@ -140,65 +111,43 @@ def _evaluate(args: argparse.Namespace, argv: list[str]) -> None:
         write_text_atomically(args.out, json.dumps({"command": "lti candidates " + " ".join(argv), "rows": rows}, indent=2) + "\n")
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lti candidates", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
-    b = sub.add_parser("build", help="simulate updates and store their span-test candidates")
-    b.add_argument("--config", required=True, help="an `lti fit` config: its threat model makes the updates")
-    b.add_argument("--split", default="auxiliary", help="the DataModule split whose blocks become updates")
-    b.add_argument("--out", required=True, help="the .safetensors file to write")
-    b.add_argument("--count", type=int, default=32, help="candidates per update (K)")
-    b.add_argument("--limit", type=int, default=None, help="only LIMIT blocks (the split's first, after --skip)")
-    b.add_argument("--skip", type=int, default=0, help="start at the split's block SKIP (e.g. a fit's held-out tail)")
-    b.add_argument("--second_layer", action="store_true",
-                   help="also store each update's second-layer gradient (for the second_layer decoding rule)")
-    b.add_argument("--batch", type=int, default=64, help="updates simulated at once")
-    b.add_argument("--device", default="cpu")
-    b.add_argument("--shards", type=int, default=1, help="split the output into this many files")
-    b.add_argument("--overwrite", action="store_true", help="replace existing files of the same names")
-    b.add_argument("overrides", nargs="*", help="`lti fit` overrides of the config (after --)")
-    f = sub.add_parser("fit", help="train the pointer and evaluate it on held-out candidates")
-    f.add_argument("--train", nargs="+", required=True, help="training candidate files (the server's text)")
-    f.add_argument("--eval", nargs="+", required=True, help="evaluation candidate files (held-out client text)")
-    f.add_argument("--out_dir", required=True)
-    f.add_argument("--max_steps", type=int, default=10_000)
-    f.add_argument("--max_time", default=None, help="DD:HH:MM:SS: stop earlier")
-    f.add_argument("--val_every", type=int, default=500)
-    f.add_argument("--batch_size", type=int, default=128)
-    f.add_argument("--hidden", type=int, default=256)
-    f.add_argument("--layers", type=int, default=4)
-    f.add_argument("--heads", type=int, default=4)
-    f.add_argument("--dropout", type=float, default=0.1)
-    f.add_argument("--lr", type=float, default=3e-4)
-    f.add_argument("--weight_decay", type=float, default=0.01)
-    f.add_argument("--accelerator", default="cpu")
-    f.add_argument("--precision", default="32-true")
-    f.add_argument("--seed", type=int, default=0)
-    f.add_argument("--ckpt_path", default=None, help="resume from this checkpoint")
-    f.add_argument("--overwrite", action="store_true", help="replace an earlier run's files in --out_dir")
-    f.add_argument("--holdout", type=int, default=0,
-                   help="keep the training files' last HOLDOUT blocks out of training (to choose decoding settings on)")
-    e = sub.add_parser("evaluate", help="score a trained pointer on candidate files, decoding rule by rule")
-    e.add_argument("--pointer", required=True, help="pointer.safetensors from `lti candidates fit`")
-    e.add_argument("--eval", nargs="+", required=True, help="candidate files to score")
-    e.add_argument("--tail", type=int, default=None,
-                   help="only the files' last TAIL blocks (a fit's --holdout; at most the files' blocks)")
-    e.add_argument("--limit", type=int, default=None, help="then only the first LIMIT blocks (at most those left)")
-    e.add_argument("--decode", nargs="+", default=["argmax"], choices=DECODERS)
-    e.add_argument("--lm_weight", nargs="+", type=float, default=[0.5], help="weights of the global model's log-probability (lm)")
-    e.add_argument("--second_weight", nargs="+", type=float, default=[1.0],
-                   help="weights of the second-layer span test's score (second_layer)")
-    e.add_argument("--beam", type=int, default=8)
-    e.add_argument("--out", default=None, help="a JSON file of the rows")
-    return p
+def _usage() -> str:
+    width = max(map(len, COMMANDS))
+    commands = "\n".join(f"  {name:<{width}}  {options.__doc__.splitlines()[0]}" for name, (options, _) in COMMANDS.items())
+    return (f"usage: lti candidates {{{','.join(COMMANDS)}}} [options]\n\n{__doc__.splitlines()[0]}\n\n{commands}\n\n"
+            "`lti candidates COMMAND --help` lists a command's options.")
+
+
+def parse(argv: list[str]) -> tuple[str, BuildOptions | FitOptions | EvaluateOptions]:
+    """`COMMAND --option value ...` -> the command and its options, checked; bad input: one line, exit 2."""
+    from lti.candidates.command_line import parse_options
+
+    if not argv or argv[0] in ("-h", "--help"):
+        if argv:
+            print(_usage())
+            raise SystemExit(0)
+        print(f"lti candidates: error: name a command: {', '.join(COMMANDS)} (`lti candidates --help`)", file=sys.stderr)
+        raise SystemExit(2)
+    command = argv[0]
+    if command not in COMMANDS:
+        import difflib
+
+        close = difflib.get_close_matches(command, COMMANDS, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        print(f"lti candidates: error: unknown command '{command}'{hint}; the commands are {', '.join(COMMANDS)}",
+              file=sys.stderr)
+        raise SystemExit(2)
+    options, config_file = COMMANDS[command]
+    return command, parse_options(f"lti candidates {command}", options, argv[1:], error_prefix="lti candidates",
+                                  config_file=config_file, positional="overrides" if command == "build" else None)
 
 
 def main(argv: list[str]) -> None:
-    args = parser().parse_args(argv)
+    command, args = parse(argv)
     try:
-        if args.command == "build":
+        if command == "build":
             _build(args)
-        elif args.command == "fit":
+        elif command == "fit":
             _fit(args, argv)
         else:
             _evaluate(args, argv)

@@ -1,5 +1,8 @@
 """`lti matrix` on the command line: runs, resumes, submits, follows (`--status`), collects
-(`--collect`) or plans (`--dry_run`) a grid."""
+(`--collect`) or plans (`--dry_run`) a grid. Its options are `lti.matrix.options.MatrixOptions`, parsed
+by jsonargparse (`lti.candidates.command_line`; also from `--config FILE`): lists are written
+`--attacks '[dager, spear]'` and resources `--resource+ cpus=1`; the argparse spellings `--attacks
+dager spear` and `--resource cpus=1` still work, with one line on stderr."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import sys
 
 from lti.matrix.grid import cell_id, cell_list, load_grid, select_cells
 from lti.matrix.launchers import LAUNCHERS
+from lti.matrix.options import MatrixOptions
 from lti.matrix.records import import_records
 from lti.matrix.resources import RESOURCE_KEYS, parse_resource_flags
 from lti.matrix.runner import collect, grid_status, plan_grid, run_grid
@@ -34,41 +38,26 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(130) from None
 
 
-def _main(argv: list[str] | None) -> None:
-    from lti import matrix  # the package docstring's first paragraph describes the command
+def parse(argv: list[str]) -> MatrixOptions:
+    """The command line -> its options, checked; bad input: one line, exit 2."""
+    from jsonargparse import DefaultHelpFormatter
 
-    parser = argparse.ArgumentParser(prog="lti matrix", description=matrix.__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="resources (--resource [learned.|exact.]KEY=VALUE, or the grid's resources: block):\n"
-                                            + "\n".join(f"  {k:<12} {help}" for k, (_, help) in RESOURCE_KEYS.items())
-                                            + "\n\nexit status: 0 done, 1 a selected cell failed, 2 bad input "
-                                              "(e.g. a cell's arguments), 130 interrupted")
-    parser.add_argument("--grid", required=True, help="grid YAML (see configs/matrix/)")
-    parser.add_argument("--out_dir", help="where cells, tables and plots go (default: the grid's out_dir)")
-    for axis in ("attack", "protocol", "defense"):
-        parser.add_argument(f"--{axis}s", nargs="+", metavar=axis.upper(), help=f"only these {axis}s' cells")
-    parser.add_argument("--resume_from", metavar="MATRIX_JSON",
-                        help="count the finished cells of an earlier table (matrix.json) as done where their arguments match")
-    parser.add_argument("--launcher", choices=list(LAUNCHERS),
-                        help="where cells run: inline (this process, one at a time), local (a process per cell, "
-                             "submitit), slurm (a SLURM job per cell, submitit; returns once submitted). Default: local")
-    parser.add_argument("--inline", action="store_true", help="the same as --launcher inline")
-    parser.add_argument("--max_parallel", type=int, default=1,
-                        help="cells at once with --launcher local; each gets cores / max_parallel CPU threads "
-                             "unless --resource cpus=N says otherwise")
-    parser.add_argument("--resource", action="append", default=[], metavar="[KIND.]KEY=VALUE",
-                        help="a resource for every cell, or only learned/exact ones (see below); repeatable")
-    action = parser.add_mutually_exclusive_group()
-    action.add_argument("--collect", action="store_true",
-                        help="build the tables and plots from the cells finished so far; run nothing")
-    action.add_argument("--status", action="store_true",
-                        help="list the cells as done / running / failed / pending, with job ids; run nothing")
-    action.add_argument("--dry_run", action="store_true",
-                        help="print the lti commands of the selected cells still to run, and the time estimate; run nothing")
-    args = parser.parse_args(argv)
+    from lti import matrix  # the package docstring's first paragraph describes the command
+    from lti.candidates.command_line import parse_options
+
+    class Formatter(argparse.RawDescriptionHelpFormatter, DefaultHelpFormatter):
+        """jsonargparse's help, with the description and the table of resources below it as written."""
+
+    epilog = ("resources (--resource+ [learned.|exact.]KEY=VALUE, or the grid's resources: block):\n"
+              + "\n".join(f"  {k:<12} {help}" for k, (_, help) in RESOURCE_KEYS.items())
+              + "\n\nexit status: 0 done, 1 a selected cell failed, 2 bad input (e.g. a cell's arguments), 130 interrupted")
+    return parse_options("lti matrix", MatrixOptions, argv, appended=("resource",), formatter_class=Formatter,
+                         description=matrix.__doc__.split("\n\n")[0], epilog=epilog)
+
+
+def _main(argv: list[str] | None) -> None:
+    args = parse(sys.argv[1:] if argv is None else argv)
     try:
-        if args.max_parallel < 1:
-            raise ValueError(f"--max_parallel {args.max_parallel} must be at least 1")
         grid = load_grid(args.grid, args.out_dir)
         only = {"attack": args.attacks, "protocol": args.protocols, "defense": args.defenses}
         if args.status:

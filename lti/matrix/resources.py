@@ -1,5 +1,5 @@
 """Resources per cell (CPUs, GPUs, memory, time limit, SLURM partition/account/options): read from a grid
-file's `resources:` block and `--resource [KIND.]KEY=VALUE` flags, checked, and merged per attack kind.
+file's `resources:` block and `--resource+ [KIND.]KEY=VALUE` flags, checked, and merged per attack kind.
 
     resources:            # every cell
       cpus: 4
@@ -65,7 +65,7 @@ def parse_resources(raw: Any, source: str) -> dict[str, dict[str, Any]]:
 
 
 def parse_resource_flags(flags: Iterable[str]) -> dict[str, dict[str, Any]]:
-    """`--resource [KIND.]KEY=VALUE` flags -> the same shape as `parse_resources`."""
+    """`--resource+ [KIND.]KEY=VALUE` flags -> the same shape as `parse_resources`."""
     out: dict[str, dict[str, Any]] = {}
     for flag in flags:
         name, sep, value = flag.partition("=")

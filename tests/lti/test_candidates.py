@@ -299,3 +299,91 @@ def test_files_record_their_blocks_and_second_layer_gradients_and_evaluate_reads
     assert error.value.code == 2 and "must be finite and >= 0, not -1.0" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--skip 1000000: the auxiliary split has"):
         build(TINY, "auxiliary", tmp_path / "none.safetensors", skip=1_000_000, limit=4)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The command line: jsonargparse over `lti.candidates.options`, the argparse spellings rewritten
+
+
+def _stderr_lines(capsys) -> list[str]:
+    return capsys.readouterr().err.strip().splitlines()
+
+
+def test_the_new_spelling_parses_silently_and_a_config_file_gives_the_options(tmp_path, capsys):
+    from lti.candidates.cli import parse
+
+    command, options = parse(["fit", "--train", "[a.safetensors, b.safetensors]", "--eval+", "c.safetensors",
+                              "--out_dir", "o", "--overwrite", "true", "--lr", "5e-4", "--max_time", "00:00:04:00"])
+    assert command == "fit" and options.train == ["a.safetensors", "b.safetensors"] and options.eval == ["c.safetensors"]
+    assert options.overwrite is True and options.lr == 5e-4 and options.max_time == "00:00:04:00"
+    assert options.hidden == 256 and options.holdout == 0  # the defaults of the argparse command
+    config = tmp_path / "fit.yaml"
+    config.write_text("train: [a.safetensors]\neval: [c.safetensors]\nout_dir: o\nhidden: 64\nheads: 2\n")
+    _, from_file = parse(["fit", "--config", str(config), "--heads", "4"])
+    assert (from_file.train, from_file.hidden, from_file.heads) == (["a.safetensors"], 64, 4)  # flags after the file win
+    _, evaluate = parse(["evaluate", "--pointer", "p", "--eval", "[e]", "--decode", "[lm, second_layer]",
+                         "--lm_weight", "[0.25]", "--second_weight", "[0, 2]"])
+    assert (evaluate.decode, evaluate.lm_weight, evaluate.second_weight) == (["lm", "second_layer"], [0.25], [0.0, 2.0])
+    _, build_options = parse(["build", "--config", TINY, "--out", "x", "--second_layer", "true",
+                              "--overrides", '["--data.client.init_args.rank", "16"]'])
+    assert build_options.config == TINY and build_options.second_layer is True  # build's --config: the threat model
+    assert build_options.overrides == ["--data.client.init_args.rank", "16"]
+    assert capsys.readouterr().err == ""
+
+
+def test_the_argparse_spellings_still_parse_with_one_deprecation_line(capsys):
+    from lti.candidates.cli import parse
+
+    old = parse(["evaluate", "--pointer", "p", "--eval", "e1", "e2", "--decode", "argmax", "lm", "--lm_weight", "0", "1",
+                 "--second_weight", "2"])
+    (line,) = _stderr_lines(capsys)
+    new = parse(["evaluate", "--pointer", "p", "--eval", "[e1, e2]", "--decode", "[argmax, lm]", "--lm_weight", "[0, 1]",
+                 "--second_weight", "[2]"])
+    assert old == new and capsys.readouterr().err == ""
+    assert line.startswith("lti candidates: warning: deprecated spelling: --eval e1 e2 -> --eval '[e1, e2]'; ")
+    assert "--decode argmax lm -> --decode '[argmax, lm]'" in line and "--lm_weight 0 1 -> --lm_weight '[0, 1]'" in line
+    # overrides after `--` become --overrides; values YAML would read as numbers stay strings
+    _, build_options = parse(["build", "--config", TINY, "--out", "x", "--", "--data.client.init_args.rank", "16"])
+    assert build_options.overrides == ["--data.client.init_args.rank", "16"]
+    (line,) = _stderr_lines(capsys)
+    assert line.endswith("-- --data.client.init_args.rank 16 -> --overrides '[\"--data.client.init_args.rank\", \"16\"]'")
+    # a bare flag is jsonargparse's own spelling too: no line
+    _, flagged = parse(["build", "--config", TINY, "--out", "x", "--second_layer", "--overwrite", "--limit", "4"])
+    assert flagged.second_layer and flagged.overwrite and flagged.limit == 4 and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["fit", "--train", "[a]", "--eval", "[b]", "--out_dir", "o", "--max_stepz", "3"],
+     "unknown option 'max_stepz' (did you mean 'max_steps'?); `lti candidates fit --help` lists every option"),
+    (["evaluate", "--pointer", "p", "--eval", "[e]", "--decode", "[bogus]"], "bad value for 'decode'"),
+    (["fit", "--train", "[a]", "--eval", "[b]", "--out_dir", "o", "--lr", "nan"], "bad value for 'lr'"),
+    (["build", "--config", TINY, "--out", "x", "--overwrite", "maybe"], "option 'overwrite' is a flag"),
+    (["evaluate", "--eval", "[e]"], "the following arguments are required: pointer"),
+    (["evalute"], "unknown command 'evalute' (did you mean 'evaluate'?)"),
+    ([], "name a command: build, fit, evaluate"),
+], ids=["unknown-option", "unknown-rule", "nan", "flag-value", "required", "unknown-command", "no-command"])
+def test_bad_options_are_one_line_and_exit_2(capsys, argv, message):
+    with pytest.raises(SystemExit) as error:
+        main(["candidates", *argv])
+    (line,) = _stderr_lines(capsys)
+    assert error.value.code == 2 and line.startswith("lti candidates: error: ") and message in line, line
+
+
+def test_help_lists_each_commands_options_from_the_dataclasses(capsys):
+    from typing import get_args
+
+    from lti.candidates.decoding import DECODERS
+    from lti.candidates.options import Decoder
+
+    assert get_args(Decoder) == DECODERS
+    for command, said in (("fit", "Keep the training files' last HOLDOUT blocks out of training"),
+                          ("build", "Also store each update's second-layer gradient"),
+                          ("evaluate", "Weights of the second-layer span test's score")):
+        with pytest.raises(SystemExit) as error:
+            main(["candidates", command, "--help"])
+        out = " ".join(capsys.readouterr().out.split())  # the help is wrapped to the terminal
+        assert error.value.code == 0 and said in out, out
+    with pytest.raises(SystemExit) as error:
+        main(["candidates", "--help"])
+    out = capsys.readouterr().out
+    assert error.value.code == 0 and "evaluate  Score a trained pointer on candidate files" in out

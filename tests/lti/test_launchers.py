@@ -55,7 +55,7 @@ def test_resources_merge_grid_then_kind_then_flags():
 ])
 def test_bad_resource_flags_give_one_line(grid_file, capsys, flag, message):
     with pytest.raises(SystemExit) as stop:
-        main(["--grid", str(grid_file), "--resource", flag])
+        main(["--grid", str(grid_file), "--resource+", flag])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and message in err and len(err.strip().splitlines()) == 1
     assert not list(load_grid(grid_file).out_dir.glob("cells/*"))

@@ -293,3 +293,57 @@ def test_a_learned_cell_starts_from_an_empty_checkpoint_folder(grid_file, monkey
     monkeypatch.setattr("lti.matrix.cell._run_lti", lambda args: seen.append(stale.parent.exists()))
     run_cell(grid, protocol, defense, attack)  # fails later (no metrics file): only the folder matters here
     assert seen and seen[0] is False
+
+
+# --------------------------------------------------------------------------------------------------------
+# The command line: jsonargparse over `lti.matrix.options.MatrixOptions`, the argparse spellings rewritten
+
+
+def test_old_and_new_spellings_give_the_same_options_and_the_old_one_line(tmp_path, capsys):
+    from lti.matrix.cli import parse
+
+    old = parse(["--grid", "g.yaml", "--attacks", "dager", "spear", "--defenses", "none", "--inline",
+                 "--resource", "cpus=1", "--resource", "sbatch={qos: high}", "--max_parallel", "2"])
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == ("lti matrix: warning: deprecated spelling: --attacks dager spear -> --attacks '[dager, spear]'; "
+                    "--defenses none -> --defenses '[none]'; --resource cpus=1 -> --resource+ cpus=1; "
+                    "--resource 'sbatch={qos: high}' -> --resource+ 'sbatch={qos: high}'")
+    new = parse(["--grid", "g.yaml", "--attacks", "[dager, spear]", "--defenses+", "none", "--inline", "true",
+                 "--resource", '[cpus=1, "sbatch={qos: high}"]', "--max_parallel", "2"])
+    assert old == new and capsys.readouterr().err == ""
+    assert new.attacks == ["dager", "spear"] and new.protocols is None and new.inline and new.launcher is None
+    assert new.resource == ["cpus=1", "sbatch={qos: high}"]
+    # bare flags are jsonargparse's own spelling too (no line); a config file gives the options
+    config = tmp_path / "matrix.yaml"
+    config.write_text("grid: g.yaml\nattacks: [dager]\nlauncher: slurm\nresource: [partition=gpu]\n")
+    from_file = parse(["--config", str(config), "--resource+", "learned.gpus=1", "--dry_run"])
+    assert (from_file.attacks, from_file.launcher, from_file.dry_run) == (["dager"], "slurm", True)
+    assert from_file.resource == ["partition=gpu", "learned.gpus=1"] and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--collect", "--status"], "--collect and --status exclude each other: give one"),
+    (["--max_parallel", "0"], "--max_parallel 0 must be at least 1"),
+    (["--lancher", "local"], "unknown option 'lancher' (did you mean 'launcher'?); `lti matrix --help` lists every option"),
+    (["--launcher", "cloud"], "bad value for 'launcher'"),
+], ids=["exclusive", "max_parallel", "unknown-option", "launcher"])
+def test_bad_options_are_one_line_before_the_grid_is_read(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--grid", str(tmp_path / "missing.yaml"), *argv])
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and line.startswith("lti matrix: error: ") and message in line, line
+
+
+def test_help_lists_the_options_dataclass_and_the_resources(capsys):
+    from typing import get_args
+
+    from lti.matrix import LAUNCHERS
+    from lti.matrix.options import Launcher
+
+    assert get_args(Launcher) == tuple(LAUNCHERS)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0
+    assert "Print the lti commands of the selected cells still to run" in " ".join(out.split())
+    assert "  timeout_min  time limit per cell in minutes" in out and "exit status: 0 done" in out

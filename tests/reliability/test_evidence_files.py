@@ -67,7 +67,7 @@ def _evaluate(capsys, *args: str) -> str:
 
 def _pointer_args(path: Path) -> list[str]:
     # the file is read before the pointer: a pointer that does not exist is never reached
-    return ["--pointer", str(path.parent / "no_pointer.safetensors"), "--eval", str(path)]
+    return ["--pointer", str(path.parent / "no_pointer.safetensors"), "--eval", f"[{path}]"]
 
 
 def test_a_written_file_records_checksums_and_loads_clean(evidence, caplog):
@@ -170,13 +170,13 @@ def test_build_refuses_a_limit_beyond_the_split_and_more_shards_than_blocks(tmp_
     (["--max_steps", "0"], "--max_steps 0 must be >= 1"),
     (["--heads", "3"], "--hidden 256 must be a multiple of --heads 3"),
     (["--dropout", "1.5"], "--dropout 1.5 must be in [0, 1)"),
-    (["--lr", "nan"], "--lr nan must be finite and > 0"),
+    (["--lr", ".nan"], "--lr nan must be finite and > 0"),  # YAML's NaN, as jsonargparse reads the value
     (["--weight_decay", "-1"], "--weight_decay -1.0 must be finite and >= 0"),
     (["--holdout", "-2"], "--holdout -2 must be >= 0"),
 ], ids=["max_steps-0", "heads", "dropout", "lr-nan", "weight_decay", "holdout"])
 def test_fit_refuses_values_before_writing_anything(evidence, tmp_path, capsys, args, message):
     with pytest.raises(SystemExit) as error:
-        main(["candidates", "fit", "--train", str(evidence), "--eval", str(evidence), "--out_dir", str(tmp_path / "fit"), *args])
+        main(["candidates", "fit", "--train", f"[{evidence}]", "--eval", f"[{evidence}]", "--out_dir", str(tmp_path / "fit"), *args])
     err = capsys.readouterr().err
     assert error.value.code == 2 and len(err.strip().splitlines()) == 1 and message in err
     assert not (tmp_path / "fit").exists()
