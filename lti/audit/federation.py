@@ -10,7 +10,9 @@
 - `SerialGrid`: a Flower `Grid` that runs the `ClientApp` of every node in this process, one message at
   a time, each message and reply passing through Flower's wire format (protobuf) as on a network.
   Flower's own simulation runtime needs Ray (its only backend); on a 2-core CPU with one model copy per
-  client process it only adds cost, so the audit drives the same `ClientApp` and strategy itself.
+  client process it only adds cost, so the audit drives the same `ClientApp` and strategy itself. It uses
+  Flower's public API only: the ids, run and time a SuperLink stamps on a message are written into the
+  message's protobuf form (the wire format's own fields), never into a Flower object's private fields.
 """
 
 from __future__ import annotations
@@ -179,16 +181,57 @@ class ObservedFedAvg(FedAvg):
         return super().aggregate_train(server_round, replies)
 
 
+#: The three parts of Flower's task identity, in the order `task_identity` takes them.
+IDENTITY = ("run_id", "node_id", "task_id")
+
+
+def current_task_identity() -> tuple[int | None, int | None, int | None]:
+    """Flower's process-wide task identity (run, node, task), None for a part not set: read through
+    `TaskIdentity`'s public properties, which raise where a part is not set."""
+    identity = []
+    for part in IDENTITY:
+        try:
+            identity.append(getattr(TaskIdentity, part))
+        except RuntimeError:  # "TaskIdentity.<part> is not set."
+            identity.append(None)
+    return identity[0], identity[1], identity[2]
+
+
+def set_task_identity(run_id: int | None, node_id: int | None, task_id: int | None) -> None:
+    """Set Flower's task identity through `TaskIdentity`'s public setters, as Flower's runtimes do when they
+    start a ServerApp or ClientApp process. None restores "not set": the setter stores what it is given and
+    the getter raises on None (Flower 1.42; tests/lti/test_audit_grid.py fails, naming the Flower version,
+    where a release stops accepting it)."""
+    for part, value in zip(IDENTITY, (run_id, node_id, task_id)):
+        setattr(TaskIdentity, part, value)
+
+
 @contextmanager
 def task_identity(run_id: int, node_id: int, task_id: int = 0) -> Iterator[None]:
     """Flower's process-wide task identity (run, node, task), which stamps every message created inside;
     Flower's runtimes set it per process, the serial grid per call. The previous identity is restored."""
-    previous = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = run_id, node_id, task_id
+    previous = current_task_identity()
+    set_task_identity(run_id, node_id, task_id)
     try:
         yield
     finally:
-        TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = previous
+        set_task_identity(*previous)
+
+
+def over_the_wire(message: Message, *, message_id: str | None = None, run_id: int | None = None,
+                  created_at: float | None = None) -> Message:
+    """The message as its receiver gets it: serialised to Flower's protobuf `Message` and back. The given
+    `message_id`, `run_id` and `created_at` are what a SuperLink stamps on a message it accepts; they are
+    written into the protobuf's metadata (public fields of the wire format), so `message` itself is left as
+    it was and no Flower object's private field is written."""
+    proto = message_to_proto(message)
+    if message_id is not None:
+        proto.metadata.message_id = message_id
+    if run_id is not None:
+        proto.metadata.run_id = run_id
+    if created_at is not None:
+        proto.metadata.created_at = created_at
+    return message_from_proto(proto)
 
 
 @dataclass
@@ -203,6 +246,8 @@ class SerialGrid(Grid):
     Messages and replies are serialised to Flower's protobuf messages and back, as the SuperLink
     transports them, so the server reads what a networked client would have sent. Run the strategy
     inside `with grid.serving():` (the server's task identity, which stamps the messages it creates).
+    A pushed message is left as the strategy built it: the copy its node receives carries the id, run
+    and acceptance time this grid stamps (as a SuperLink does), and `push_messages` returns those ids.
     """
 
     def __init__(self, client_app: ClientApp, num_nodes: int, run_id: int = 1) -> None:
@@ -242,15 +287,13 @@ class SerialGrid(Grid):
         for message in messages:
             if message.metadata.dst_node_id not in self._nodes:
                 raise ValueError(f"no node {message.metadata.dst_node_id} in this grid")
-            message.metadata.__dict__["_message_id"] = str(uuid4())
-            message.metadata.__dict__["_run_id"] = self._run.run_id
-            message.metadata.__dict__["_created_at"] = time.time()
-            delivered = message_from_proto(message_to_proto(message))
-            node = self._nodes[message.metadata.dst_node_id]
+            # As a SuperLink accepting it: a fresh id, this grid's run, the time it was accepted.
+            delivered = over_the_wire(message, message_id=str(uuid4()), run_id=self._run.run_id, created_at=time.time())
+            node = self._nodes[delivered.metadata.dst_node_id]
             with task_identity(self._run.run_id, node.node_id):
                 reply = self.client_app(delivered, node.context)
-            self._replies[message.metadata.message_id] = message_from_proto(message_to_proto(reply))
-            ids.append(message.metadata.message_id)
+            self._replies[delivered.metadata.message_id] = over_the_wire(reply)
+            ids.append(delivered.metadata.message_id)
         return ids
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
