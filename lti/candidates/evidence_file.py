@@ -42,6 +42,16 @@ CHECKSUM_ALGORITHM = "sha256-128"
 SHARED = ("format", "config", "overrides", "count", "seq_len", "coefficient_width", "vocab_size", "hash_spec")
 
 
+def differing(a: dict, b: dict, keys: Sequence[str] = SHARED) -> list[str]:
+    """The metadata `keys` in which two files (or a file and a pointer's training files) differ. Files that both
+    store their threat model by content (`threat_model`) are compared by it, not by the config's path and
+    overrides: an edited config file changes the content, a moved one does not."""
+    by_content = "threat_model" in a and "threat_model" in b
+    if by_content:
+        keys = [k for k in keys if k not in ("config", "overrides")] + ["threat_model"]
+    return [k for k in keys if a.get(k) != b.get(k)]
+
+
 @dataclass
 class EvidenceSet:
     ids: Tensor  #: (N, K) int64
@@ -212,7 +222,9 @@ def build(config: str, split: str, out: str | Path, count: int = 32, limit: int 
                 "coefficient_width": str(tensors["coefficients"].shape[-1]), "blocks": str(len(blocks)),
                 # what determines the updates (observed parameters and the global model's weights), as the
                 # learned inverter's checkpoints record it: the audit compares it with its own
-                "hash_spec": json.dumps(pipeline.spec.to_dict())}
+                "hash_spec": json.dumps(pipeline.spec.to_dict()),
+                # the whole threat model by content: what the file means does not change with its config file
+                "threat_model": json.dumps(data.threat_model.to_dict(), sort_keys=True)}
     for path, index in zip(paths, torch.arange(len(blocks)).tensor_split(len(paths))):
         path.parent.mkdir(parents=True, exist_ok=True)
         where = {"first_block": str(skip + int(index[0]) if len(index) else skip)}  # this file's first block in the split
@@ -246,7 +258,7 @@ def load(paths: Sequence[str | Path]) -> EvidenceSet:
         _check_checksums(path, metadata, tensors)
         _check_values(path, metadata, tensors)
         first = first or (path, metadata)
-        differ = [k for k in (*SHARED, "split") if metadata.get(k) != first[1].get(k)]
+        differ = differing(metadata, first[1], (*SHARED, "split"))
         if differ:
             raise ValueError(f"{path} and {first[0]} differ in {', '.join(differ)}: files of one threat model and split only")
         if "first_block" in metadata:
@@ -263,7 +275,7 @@ def check_pointer_fits(data: EvidenceSet, trained_on: dict, tail: int, name: str
     """Refuse evidence a pointer cannot be evaluated on (`trained_on`: its metadata, `load_pointer`):
     candidates built otherwise than its training candidates, or blocks of its own training split that it
     trained on (`tail`: the rows taken from the end of the files, a fit's --holdout)."""
-    differ = [k for k in SHARED if trained_on.get(k) != data.metadata.get(k)]
+    differ = differing(trained_on, data.metadata)
     if differ:
         raise ValueError(f"the pointer was trained on candidates that differ from {name} in {', '.join(differ)}")
     if trained_on.get("split") == data.metadata["split"]:

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from datamodules.metrics import RougeScores, rouge_f
 from lti.atomic_files import write_text_atomically
-from lti.candidates.evidence_file import SHARED, load
+from lti.candidates.evidence_file import differing, load
 from lti.candidates.pointer import CandidatePointer, pointer_targets, predict_tokens
 
 
@@ -30,7 +30,7 @@ class CandidateData(LightningDataModule):
             raise ValueError(f"--holdout {holdout} must be in [0, {len(self.train_set)}) (the training blocks)")
         self.holdout_set = self.train_set.tail(holdout) if holdout else None
         self.train_set = self.train_set.head(len(self.train_set) - holdout)
-        differ = [k for k in SHARED if self.train_set.metadata.get(k) != self.eval_set.metadata.get(k)]
+        differ = differing(self.train_set.metadata, self.eval_set.metadata)
         if differ:
             raise ValueError(f"the training and evaluation candidates differ in {', '.join(differ)}")
         if self.train_set.metadata["split"] == self.eval_set.metadata["split"]:

@@ -180,3 +180,21 @@ def test_fit_refuses_values_before_writing_anything(evidence, tmp_path, capsys, 
     err = capsys.readouterr().err
     assert error.value.code == 2 and len(err.strip().splitlines()) == 1 and message in err
     assert not (tmp_path / "fit").exists()
+
+
+def test_files_record_their_threat_model_by_content_and_are_compared_by_it(evidence, tmp_path):
+    """A file means what it was built from, not what its config file says today: a moved config gives files that
+    load together; an edited one (other adapters) gives files that are refused together."""
+    from datamodules.threat_model import ThreatModel
+
+    _, metadata = _contents(evidence)
+    assert json.loads(metadata["threat_model"]) == ThreatModel.from_config(TINY).to_dict()
+    moved = tmp_path / "moved.yaml"
+    moved.write_text(Path(TINY).read_text())
+    build(str(moved), "evaluation", tmp_path / "moved.safetensors", count=8, limit=4, batch=4)
+    assert len(load([evidence, tmp_path / "moved.safetensors"])) == BLOCKS + 4
+    edited = tmp_path / "edited.yaml"
+    edited.write_text(Path(TINY).read_text().replace("rank: 8", "rank: 4"))
+    build(str(edited), "evaluation", tmp_path / "edited.safetensors", count=8, limit=4, batch=4)
+    with pytest.raises(ValueError, match="differ in .*threat_model"):
+        load([evidence, tmp_path / "edited.safetensors"])
