@@ -124,7 +124,9 @@ class BatchedAttack:
         self.whitening, self.whitening_cache, self.whitening_blocks = whitening, whitening_cache, whitening_blocks
         self.auxiliary_ids = None if auxiliary_ids is None else auxiliary_ids[:whitening_blocks]
         self.site_weights, self.second_opinion, self.check, self.name = site_weights, second_opinion, check, name
-        self._bound: tuple[int, BatchedLoRA] | None = None
+        #: The threat model the search is bound to (the object: its target's weights change every round, in place).
+        self._bound: tuple[ThreatModel, BatchedLoRA] | None = None
+        self._fitted_for: str | None = None  # the model fingerprint the whitening was fitted for, if fitted here
 
     def needs_server_text(self) -> bool:
         return self.whitening is None and self.auxiliary_ids is None
@@ -134,9 +136,11 @@ class BatchedAttack:
         self.auxiliary_ids = auxiliary_ids[: self.whitening_blocks]
 
     def _attack_for(self, threat_model: ThreatModel) -> BatchedLoRA:
-        if self._bound is not None and self._bound[0] == id(threat_model.target):
+        if self._bound is not None and self._bound[0] is threat_model:
             return self._bound[1]
         names = threat_model.names
+        if self._fitted_for is not None and self._fitted_for != threat_model.fingerprint:
+            self.whitening = None  # fitted here for another model: fit again for this one
         if self.whitening is None:
             if self.auxiliary_ids is None:
                 raise ValueError("the batched attack needs the server's whitening or its own text to fit it on "
@@ -144,9 +148,10 @@ class BatchedAttack:
             sites = adapter_sites(names)
             self.whitening = SiteWhitening.load_or_fit(self.whitening_cache, threat_model.target, sites,
                                                        self.auxiliary_ids, threat_model.fingerprint)
+            self._fitted_for = threat_model.fingerprint
         bound = BatchedLoRA(threat_model.target, names, self.whitening, self.options, self.site_weights,
                             self.second_opinion)
-        self._bound = (id(threat_model.target), bound)
+        self._bound = (threat_model, bound)
         return bound
 
     def attack(self, update: Tensor, threat_model: ThreatModel, batch_size: int) -> Reconstruction:

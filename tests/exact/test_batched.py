@@ -18,11 +18,11 @@ from exact.batched.whitening import SiteWhitening, inverse_sqrt, vocabulary_inpu
 VOCAB = 211
 
 
-def pipeline(batch: int) -> UpdatePipeline:
-    torch.manual_seed(0)
+def pipeline(batch: int, seed: int = 0) -> UpdatePipeline:
+    torch.manual_seed(seed)
     target = HFCausalLM(architecture="llama", config=dict(
         num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=VOCAB, max_position_embeddings=64))
+        vocab_size=VOCAB, max_position_embeddings=64), init_seed=seed)
     client = LoRAClient(rank=8, target_modules=["q_proj", "v_proj"], seed=0, init_b_std=0.02,
                         local=FedSGDClient("eval", batch))
     return UpdatePipeline(target, client=client)

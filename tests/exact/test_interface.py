@@ -53,6 +53,23 @@ def test_the_batched_attack_behind_the_interface_is_the_batched_attack_and_fits_
     assert again.attack(update, threat, 2).sequences == found.sequences
 
 
+def test_the_batched_attack_stays_bound_to_its_threat_model_and_fits_again_for_another_model():
+    threat, ids, update = batch_update(2, 1)
+    blocks = torch.randint(0, VOCAB, (32, 5), generator=torch.Generator().manual_seed(3))
+    attack = BatchedAttack(OPTIONS, auxiliary_ids=blocks)
+    attack.attack(update, threat, 2)
+    first, search = attack.whitening, attack._bound[1]
+    attack.attack(update, threat, 2)
+    assert attack.whitening is first and attack._bound[1] is search
+    other_pipe = pipeline(2, seed=1)
+    other = ThreatModel.from_pipeline(other_pipe, seq_len=5)
+    assert other.fingerprint != threat.fingerprint
+    attack.attack(other_pipe({"input_ids": ids[None]}, keep_update=True).update[0], other, 2)
+    assert attack.whitening is not first and attack._bound[0] is other
+    expected = SiteWhitening.fit(other.target, adapter_sites(other.names), blocks)
+    torch.testing.assert_close(attack.whitening.sites, expected.sites, rtol=1e-9, atol=1e-12)
+
+
 def test_a_reconstruction_is_json_ready():
     found = Reconstruction([[1, 2]], [True], [[0.5, 0.25]], {"bag": torch.tensor([1, 2]), "mode": {"a"}})
     assert json.loads(json.dumps(found.to_dict()))["diagnostics"] == {"bag": [1, 2], "mode": ["a"]}
