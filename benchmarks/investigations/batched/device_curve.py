@@ -45,9 +45,9 @@ def run(args) -> None:
     from safetensors import safe_open
     from safetensors.torch import load_file
 
+    from benchmarks.investigations.batched.lora_batch import result_row
     from datamodules.federated import FedSGDClient, LoRAClient, UpdatePipeline
     from datamodules.federated.pipeline import target_fingerprint
-    from datamodules.metrics import score_batch
     from datamodules.targets import HFCausalLM
     from datamodules.threat_model import weight_update
     from exact.batched import BatchedLoRA, BatchedOptions, SiteWhitening, adapter_sites
@@ -111,16 +111,10 @@ def run(args) -> None:
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 seconds = time.perf_counter() - began
-                scores = score_batch(found.sequences, ids, None, decode)
-                visible = set(ids[:, :-1].flatten().tolist())
                 row = {"B": batch, "L": ids.shape[1], "update": k, "split": args.split, "device": str(device),
-                       "bag_size": len(found.bag), "bag_recall": len(visible & set(found.bag)) / len(visible),
-                       "token_acc": scores["correct"] / scores["tokens"], "rouge1": scores["rouge1"],
-                       "rouge2": scores["rouge2"], "exact": scores["exact_fraction"], "seconds": seconds,
-                       "residual": found.residual, "certified": found.certified, "scorer": args.scorer,
-                       "beam": args.beam, "refine": args.refine, "lm_weight": options.lm_weight,
-                       "screen_sites": args.screen_sites, "shortlist": args.shortlist,
-                       "phase_seconds": {p: round(v, 2) for p, v in found.seconds.items()}}
+                       **result_row(found, ids, decode, seconds), "scorer": args.scorer, "beam": args.beam,
+                       "refine": args.refine, "lm_weight": options.lm_weight, "screen_sites": args.screen_sites,
+                       "shortlist": args.shortlist}
                 log.write(json.dumps(row) + "\n")
                 log.flush()
                 print(json.dumps(row), flush=True)

@@ -105,6 +105,26 @@ class Setup:
         update = observed_update(sent, returned, lr, self.names)
         return update, {name: grads[0].double() for name, grads in self.server.split(update[None]).items()}
 
+def result_row(found, ids: torch.Tensor, decode, seconds: float) -> dict:
+    """What one attacked update measured (the fields every batched investigation writes): bag recall (distinct
+    visible tokens found), token accuracy, ROUGE-1/2, exact sequences, the refit and its seconds; the result not
+    kept, when a second search ran, scored too."""
+    from datamodules.metrics import score_batch
+
+    scores = score_batch(found.sequences, ids, None, decode)
+    visible = set(ids[:, :-1].flatten().tolist())
+    row = {"bag_size": len(found.bag), "bag_recall": len(visible & set(found.bag)) / len(visible),
+           "token_acc": scores["correct"] / scores["tokens"], "rouge1": scores["rouge1"], "rouge2": scores["rouge2"],
+           "exact": scores["exact_fraction"], "seconds": seconds, "residual": found.residual,
+           "certified": found.certified, "phase_seconds": {k: round(v, 2) for k, v in found.seconds.items()},
+           "second_opinion": found.second_opinion}
+    if found.other is not None:  # what the choice between the two searches gained or lost
+        other = score_batch(found.other.sequences, ids, None, decode)
+        row["other_token_acc"] = other["correct"] / other["tokens"]
+        row["other_residual"] = found.other.residual
+    return row
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/audit/inverter_smollm2_lora.yaml", help="the threat model")
@@ -144,7 +164,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="JSONL file: one line per update")
     args = parser.parse_args(argv)
 
-    from datamodules.metrics import score_batch
     from exact.batched import BatchedLoRA
     from exact.batched.scorer import ScorerWeights
 
@@ -179,25 +198,14 @@ def main(argv: list[str] | None = None) -> None:
                 began = time.perf_counter()
                 found = attack.attack(split, batch, ids.shape[1], simulate if args.label_candidates > 0 else None,
                                       update)
-                sequences, bag = found.sequences, found.bag
                 seconds = time.perf_counter() - began
-                scores = score_batch(sequences, ids, None, decode)
-                visible = set(ids[:, :-1].flatten().tolist())
                 row = {"B": batch, "L": ids.shape[1], "update": k, "split": args.split, "lm_weight": args.lm_weight,
-                       "beam": args.beam, "bag_size": len(bag), "bag_recall": len(visible & set(bag)) / len(visible),
-                       "token_acc": scores["correct"] / scores["tokens"], "rouge1": scores["rouge1"],
-                       "rouge2": scores["rouge2"], "exact": scores["exact_fraction"],
-                       "seconds": seconds, "residual": found.residual, "certified": found.certified,
+                       "beam": args.beam, **result_row(found, ids, decode, seconds),
                        "label_candidates": args.label_candidates, "refine": args.refine,
-                       "screen_sites": args.screen_sites, "shortlist": args.shortlist, "scorer": args.scorer, "clip_norm": args.clip_norm,
-                       "local_epochs": args.local_epochs, "local_dp_epsilon": args.local_dp_epsilon,
-                       "overrides": dict(args.set),
-                       "phase_seconds": {k: round(v, 2) for k, v in found.seconds.items()},
-                       "second_opinion": found.second_opinion, "second_opinion_file": args.second_opinion}
-                if found.other is not None:  # the result not kept, scored too: what the choice gained or lost
-                    other = score_batch(found.other.sequences, ids, None, decode)
-                    row["other_token_acc"] = other["correct"] / other["tokens"]
-                    row["other_residual"] = found.other.residual
+                       "screen_sites": args.screen_sites, "shortlist": args.shortlist, "scorer": args.scorer,
+                       "clip_norm": args.clip_norm, "local_epochs": args.local_epochs,
+                       "local_dp_epsilon": args.local_dp_epsilon, "overrides": dict(args.set),
+                       "second_opinion_file": args.second_opinion}
                 log.write(json.dumps(row) + "\n")
                 log.flush()
                 print(json.dumps(row), flush=True)
