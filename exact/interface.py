@@ -1,6 +1,7 @@
 """One interface for every attack on an observed update: `attack(update, threat_model, batch_size)` returns a
 `Reconstruction` (the B sequences, each token's confidence where the attack has one, and which sequences the
-attack certifies). The exact attacks behind it: `DagerAttack` and `BatchedAttack`. Plain PyTorch.
+attack certifies). The exact attacks behind it: `DagerAttack`, `BatchedAttack` and `SpearAttack` (which recovers
+a layer's inputs, not tokens). Plain PyTorch.
 
 `update` is one client's flat observed update (D,) in `threat_model.names`' order (a server gets it from the
 weights it sent and those returned: `ThreatModel.update_from_weights`); `threat_model.target` must hold that
@@ -22,6 +23,8 @@ from torch import Tensor
 
 from exact.batched import BatchedLoRA, BatchedOptions, SiteWhitening, adapter_sites
 from exact.dager import Dager
+from exact.spear import Spear, relu_linear_layer
+from exact.spear.layer import attack_layer
 
 if TYPE_CHECKING:
     from datamodules.threat_model import ThreatModel
@@ -44,11 +47,15 @@ class Reconstruction:
     seconds: float = 0.0
     #: The attack certifies the whole update: every sequence of the batch recovered (DAGER: `exact`; batched: the refit).
     certified_update: bool = False
+    #: Attacks that recover a layer's inputs rather than tokens (SPEAR): the recovered rows (N, n).
+    inputs: Tensor | None = None
 
     def to_dict(self, decode=None) -> dict:
         """JSON-ready; with `decode` (ids -> text) also the sequences' text."""
         out = {"sequences": self.sequences, "certified": self.certified, "certified_update": self.certified_update,
                "confidence": self.confidence, "seconds": self.seconds, "diagnostics": _jsonable(self.diagnostics)}
+        if self.inputs is not None:
+            out["inputs"] = self.inputs.tolist()
         if decode is not None:
             out["texts"] = [decode(s) for s in self.sequences]
         return out
@@ -164,6 +171,34 @@ class BatchedAttack:
                        "phase_seconds": found.seconds, "second_opinion": found.second_opinion}
         return Reconstruction(found.sequences, [found.certified] * len(found.sequences), found.margins, diagnostics,
                               time.perf_counter() - start, found.certified)
+
+
+class SpearAttack:
+    """SPEAR (`exact.spear.Spear`) behind the interface, on one ReLU layer (`layer`: its module name, e.g.
+    `encoder.layers.0.linear1` of the LTI paper's transformer3). SPEAR recovers that layer's inputs, not tokens:
+    the reconstruction's `inputs` holds the recovered rows (a text update's B x L positions), its `sequences` are
+    empty, and `certified_update` is SPEAR's sparsity-matching certificate. `SpearCallback` scores such rows
+    against the true layer inputs (it runs the same call, `exact.spear.layer.attack_layer`)."""
+
+    #: What the reconstruction holds: a layer's input rows, not token sequences (`AttackCallback` scores tokens only).
+    recovers = "layer_inputs"
+
+    def __init__(self, layer: str, spear: Spear | None = None, known_batch_size: bool = True,
+                 prior: Tensor | None = None, name: str = "spear") -> None:
+        """`known_batch_size`: give SPEAR the update's rows (B x L); False: it estimates the rank. `prior`:
+        plausible layer inputs of the server's own data (N, n), which guide the search."""
+        self.layer_name, self.spear = layer, spear or Spear()
+        self.known_batch_size, self.prior, self.name = known_batch_size, prior, name
+
+    def attack(self, update: Tensor, threat_model: ThreatModel, batch_size: int) -> Reconstruction:
+        start = time.perf_counter()
+        layer = relu_linear_layer(threat_model.target, self.layer_name)
+        gradients = {name: grads[0] for name, grads in threat_model.pipeline.split(update.reshape(1, -1)).items()}
+        rows = batch_size * threat_model.seq_len if self.known_batch_size else None
+        result = attack_layer(self.spear, layer, gradients, rows, self.prior)
+        diagnostics = {**result.diagnostics, "reason": result.reason, "agreement": result.agreement}
+        return Reconstruction([], [], None, diagnostics, time.perf_counter() - start, bool(result.exact),
+                              inputs=result.inputs)
 
 
 def _jsonable(value):

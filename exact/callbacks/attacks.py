@@ -43,6 +43,9 @@ class AttackCallback(ExactAttackCallback):
         super().__init__(max_updates_per_batch, every_n_batches, stages)
         if not attacks:
             raise ValueError("AttackCallback needs at least one attack")
+        rows = [attack.name for attack in attacks if getattr(attack, "recovers", "tokens") != "tokens"]
+        if rows:
+            raise ValueError(f"{rows[0]} recovers a layer's inputs, not tokens: score it with SpearCallback")
         names = [attack.name for attack in attacks]
         if len(set(names)) != len(names):
             raise ValueError(f"attack names must differ (they name the metrics): {names}")

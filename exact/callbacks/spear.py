@@ -32,6 +32,7 @@ from datamodules.float_noise import same_up_to_float_noise
 from datamodules.metrics import discrete_accuracy, psnr
 from exact.callbacks.base import ExactAttackCallback
 from exact.spear import ReluLinear, Spear, relu_linear_layer
+from exact.spear.layer import attack_layer
 
 
 class SpearCallback(ExactAttackCallback):
@@ -135,11 +136,8 @@ class SpearCallback(ExactAttackCallback):
         tally = _Tally()
         for u in range(count):
             truth = self._layer_inputs(target, layer, model_inputs[u]).double().cpu()
-            bias_grad = split[layer.bias_name][u] if layer.bias_name in split else None
-            result = self.attack.attack(
-                split[layer.weight_name][u], bias_grad, batch_size=truth.shape[0] if self.known_batch_size else None,
-                weight=layer.module.weight, bias=layer.module.bias, prior=prior,
-            )
+            result = attack_layer(self.attack, layer, {name: grads[u] for name, grads in split.items()},
+                                  truth.shape[0] if self.known_batch_size else None, prior)
             tally.certified += int(result.exact)
             tally.rows += truth.shape[0]
             recovered_rows = result.inputs.double().cpu()

@@ -57,3 +57,15 @@ def relu_linear_layer(model: nn.Module, name: str) -> ReluLinear:
         following = [m for _, m in children[position + 1 :] if not isinstance(m, nn.Dropout | nn.Identity)]
         followed = bool(following) and _is_relu(following[0])
     return ReluLinear(name, module, followed)
+
+
+def attack_layer(spear, layer: ReluLinear, gradients: dict[str, torch.Tensor], rows: int | None,
+                 prior: torch.Tensor | None = None):
+    """SPEAR (`exact.spear.Spear`) on `layer` of one update: `gradients` {parameter name: gradient} holds its weight
+    gradient (and bias gradient, which fixes scale and sign); `rows`: the layer-input rows of the update (None: the
+    numerical rank). The layer's weight and bias enable the certificate. The one call the callback and the
+    `exact.interface.SpearAttack` share."""
+    if layer.weight_name not in gradients:
+        raise KeyError(f"{layer.weight_name!r} is not among the observed parameters")
+    return spear.attack(gradients[layer.weight_name], gradients.get(layer.bias_name), batch_size=rows,
+                        weight=layer.module.weight, bias=layer.module.bias, prior=prior)

@@ -73,3 +73,42 @@ def test_the_batched_attack_stays_bound_to_its_threat_model_and_fits_again_for_a
 def test_a_reconstruction_is_json_ready():
     found = Reconstruction([[1, 2]], [True], [[0.5, 0.25]], {"bag": torch.tensor([1, 2]), "mode": {"a"}})
     assert json.loads(json.dumps(found.to_dict()))["diagnostics"] == {"bag": [1, 2], "mode": ["a"]}
+
+
+def test_spear_behind_the_interface_is_spear_on_the_layer_and_recovers_its_inputs():
+    """SPEAR recovers a layer's input rows (B x L for text), certified by its own test; the interface's result is the
+    direct call's, and the rows are the layer's true inputs."""
+    from datamodules.federated import FedSGDClient
+    from datamodules.federated.hashing import Hashing
+    from datamodules.targets import Transformer3
+    from exact.interface import SpearAttack
+    from exact.spear import Spear, relu_linear_layer
+
+    model = Transformer3(vocab_size=200, hidden_size=32, num_heads=2, ffn_size=128, num_layers=2, max_positions=8)
+    threat = ThreatModel(model, FedSGDClient(mode="eval"), hashing=Hashing(bins=16), seq_len=8)
+    ids = torch.randint(0, 200, (1, 1, 8), generator=torch.Generator().manual_seed(0))
+    update = threat.pipeline({"input_ids": ids}, keep_update=True).update[0]
+    found = SpearAttack("encoder.layers.0.linear1").attack(update, threat, 1)
+    layer = relu_linear_layer(threat.target, "encoder.layers.0.linear1")
+    split = threat.split(update)
+    direct = Spear().attack(split[layer.weight_name], split[layer.bias_name], batch_size=8,
+                            weight=layer.module.weight, bias=layer.module.bias)
+    assert found.certified_update and direct.exact and found.sequences == []
+    torch.testing.assert_close(found.inputs, direct.inputs)
+    seen = []
+    handle = layer.module.register_forward_hook(lambda module, args, output: seen.append(args[0].detach()))
+    with torch.no_grad():
+        threat.target.eval()(ids[0])
+    handle.remove()
+    truth = seen[0].reshape(-1, layer.module.in_features).double()
+    cosine = torch.nn.functional.cosine_similarity(truth[:, None], found.inputs.double()[None], dim=-1).max(1).values
+    assert bool((cosine > 0.999999).all())
+    assert json.loads(json.dumps(found.to_dict()))["inputs"]
+
+
+def test_the_token_callback_refuses_an_attack_that_recovers_layer_inputs():
+    from exact.callbacks.attacks import AttackCallback
+    from exact.interface import SpearAttack
+
+    with pytest.raises(ValueError, match="recovers a layer's inputs, not tokens: score it with SpearCallback"):
+        AttackCallback([SpearAttack("encoder.layers.0.linear1")])
