@@ -15,6 +15,7 @@ results, `ThreatModel.from_dict` rebuilds the same threat model without the file
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,7 @@ class ThreatModel:
         if seq_len < 2:
             raise ValueError(f"seq_len={seq_len} must be >= 2 (a sequence's last token is a label only)")
         self.pipeline = UpdatePipeline(target, client, defense, observed, hashing)
+        self.hashing = hashing or Hashing()
         self.tokenizer_name, self.seq_len = tokenizer, int(seq_len)
         self._content = content
         self._tokenizer, self._single = loaded_tokenizer, None
@@ -139,6 +141,7 @@ class ThreatModel:
         """Around a pipeline already built (its target, client, defense and observed parameters, shared)."""
         threat = cls.__new__(cls)
         threat.pipeline, threat.tokenizer_name, threat.seq_len = pipeline, tokenizer, int(seq_len)
+        threat.hashing = None  # the pipeline's spec holds what it hashes with; not stored by content
         threat._content, threat._tokenizer, threat._single = None, loaded_tokenizer, None
         return threat
 
@@ -146,8 +149,12 @@ class ThreatModel:
         """Remember the config this threat model was built from (a DataModule's `data:` section: its
         threat-model keys are kept, normalised with every default filled in), so that `to_dict` can store
         it by content. The config is parsed again, not instantiated."""
+        if self.hashing is None:
+            raise ValueError("a threat model built around a pipeline has no content to record")
         parser = _parser()
         content = {key: section[key] for key in KEYS if key in section}
+        # The hashing built, not the section's: a DataModule folds its deprecated hash_* options into it.
+        content["hashing"] = dataclasses.asdict(self.hashing)
         self._content = yaml.safe_load(parser.dump(_parse(parser, content), skip_none=False))
 
     @classmethod

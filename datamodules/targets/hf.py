@@ -129,6 +129,9 @@ class HFCausalLM(TargetLM):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         overrides = dict(config or {})
+        if "trust_remote_code" in overrides:  # a config (or a checkpoint's stored one) must not run a repository's code
+            raise ValueError("HFCausalLM does not run a model repository's own code: drop trust_remote_code from "
+                             "its config")
         if pretrained is None and package is not None:
             pretrained = package_folder(package)
         if pretrained is not None and gguf_file:

@@ -69,38 +69,53 @@ class LearnedInverter:
         self.sequences, self.checkpoint, self.setting = sequences, checkpoint, setting or {}
 
     @classmethod
-    def from_checkpoint(cls, path: str, threat_model: ThreatModel | None = None) -> LearnedInverter:
-        """The checkpoint's inverter, bound to `threat_model` (default: the one stored in the checkpoint),
-        loaded read-only (`weights_only`)."""
+    def from_checkpoint(cls, path: str, threat_model: ThreatModel | None = None,
+                        inverter: nn.Module | None = None) -> LearnedInverter:
+        """The checkpoint's inverter, bound to `threat_model` (default: the one stored in the checkpoint; it is then
+        trusted as a config file would be, within the workbench's own classes), loaded read-only (`weights_only`).
+        `inverter`: the inverter to load the weights into for a checkpoint that does not record its own (written
+        before checkpoints did; the caller builds it from the checkpoint's config)."""
         from datamodules.inversion_spec import InversionSpec
 
         saved = load_checked(path, lambda: torch.load(path, map_location="cpu", weights_only=True))
         record = saved.get("lti", {})
         if "hash_spec" not in record:
             raise ValueError(f"{path} has no hash spec: it was not written by this workbench")
-        if "inverter" not in record or (threat_model is None and "threat_model" not in record):
+        problem = record.get("problem", {})
+        if "num_positions" not in problem or "vocab_size" not in problem:
+            raise ValueError(f"{path} is not a text inverter's checkpoint (it records no positions and vocabulary)")
+        if ("inverter" not in record and inverter is None) or (threat_model is None and "threat_model" not in record):
             raise ValueError(f"{path} does not record its inverter and threat model (written by an older lti fit): "
                              "train it again, or evaluate it with lti test --ckpt_path")
+        stored = record.get("threat_model")
         if threat_model is None:
-            threat_model = ThreatModel.from_dict(record["threat_model"])
+            _only_workbench_classes(stored, path)
+            threat_model = ThreatModel.from_dict(stored)
+        elif stored is not None and int(stored.get("seq_len", threat_model.seq_len)) != threat_model.seq_len:
+            raise ValueError(f"{path} was trained on sequences of {stored['seq_len']} tokens; the threat model's are "
+                             f"{threat_model.seq_len}")
         difference = threat_model.pipeline.spec.difference(HashSpec.from_dict(record["hash_spec"]))
         if difference:
             raise ValueError(f"{path} was trained under another threat model: {difference}")
-        problem = record["problem"]
-        inverter = inverter_from_record(record["inverter"])
-        vocab = int(problem["vocab_size"])
+        other = sorted({name.split(".")[0] for name in saved["state_dict"] if not name.startswith("inverter.")})
+        if other:  # e.g. a hybrid's evidence prior: this attack would silently run without it
+            raise ValueError(f"{path} holds more than an inverter ({', '.join(other)}): evaluate it with lti test")
+        if "inverter" in record:
+            inverter = inverter_from_record(record["inverter"])
+        vocab, positions = int(problem["vocab_size"]), int(problem["num_positions"])
+        if positions % threat_model.seq_len:
+            raise ValueError(f"{path} reads {positions} positions, not a whole number of {threat_model.seq_len}-token "
+                             "sequences")
         # The embedding is the global model's (not saved with the inverter); the token counts only set the
         # output bias's initial value, which the state dict replaces.
-        inverter.bind(InversionSpec(int(problem["num_features"]), int(problem["num_positions"]), vocab,
+        inverter.bind(InversionSpec(int(problem["num_features"]), positions, vocab,
                                     threat_model.target.embedding_matrix.detach().cpu(), torch.zeros(vocab)))
-        state = {name[len("inverter."):]: value for name, value in saved["state_dict"].items()
-                 if name.startswith("inverter.")}
+        state = {name[len("inverter."):]: value for name, value in saved["state_dict"].items()}
         try:
             inverter.load_state_dict(state, strict=True)
         except RuntimeError as error:
-            raise ValueError(f"{path} does not fit its recorded inverter: {str(error).splitlines()[0]}") from None
-        return cls(inverter, threat_model, int(problem["num_positions"]) // threat_model.seq_len, path,
-                   record.get("setting", {}))
+            raise ValueError(f"{path} does not fit its inverter: {str(error).splitlines()[0]}") from None
+        return cls(inverter, threat_model, positions // threat_model.seq_len, path, record.get("setting", {}))
 
     @torch.no_grad()
     def predict(self, features: Tensor) -> Tensor:
@@ -116,9 +131,23 @@ class LearnedInverter:
         return Reconstruction(tokens, [False] * batch_size, seconds=time.perf_counter() - start)
 
 
+def _only_workbench_classes(content, path: str) -> None:
+    """Refuse a stored threat model that names classes outside the workbench's data side (a checkpoint is data:
+    building it must not import or run other code)."""
+    if isinstance(content, dict):
+        class_path = content.get("class_path")
+        if class_path is not None and not str(class_path).startswith("datamodules."):
+            raise ValueError(f"{path}'s threat model names {class_path!r}, not one of the workbench's classes (datamodules.*)")
+        for value in content.values():
+            _only_workbench_classes(value, path)
+    elif isinstance(content, list):
+        for value in content:
+            _only_workbench_classes(value, path)
+
+
 def inverter_from_record(record: dict) -> nn.Module:
     """An inverter from its config ({class_path, init_args}, as a checkpoint records it); only the workbench's
-    own inverter classes are imported (a checkpoint is data: it names no other code to run)."""
+    own inverter classes (lti.*) are imported, whatever the checkpoint names."""
     from jsonargparse import ArgumentParser
 
     from lti.inverters import Inverter

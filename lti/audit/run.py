@@ -194,7 +194,7 @@ class Audit:
         if not Path(self.options.threat_model).is_file():
             raise ValueError(f"threat_model {self.options.threat_model} is not a file")
         self.say(f"threat model: {self.options.threat_model}")
-        _, data, self.content = instantiate_with_config(self.options.threat_model, list(self.options.threat_model_args))
+        module, data, self.content = instantiate_with_config(self.options.threat_model, list(self.options.threat_model_args))
         data.prepare_data()
         data.setup("validate")
         self.data = data
@@ -214,7 +214,7 @@ class Audit:
         learned = None
         self.notes: list[str] = []
         if self.options.attacks.checkpoint:
-            learned = LearnedInverter.from_checkpoint(self.options.attacks.checkpoint, data.threat_model)
+            learned = LearnedInverter.from_checkpoint(self.options.attacks.checkpoint, data.threat_model, module.inverter)
             if learned.sequences != self.options.federation.batch_size:
                 self.notes.append(f"The learned inverter was trained on updates of {learned.sequences} sequence(s); "
                                   f"the clients send {self.options.federation.batch_size}: it is not run on them.")

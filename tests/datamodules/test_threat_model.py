@@ -61,6 +61,18 @@ def test_overrides_change_the_config_as_lti_fit_flags_would_and_leave_the_source
         ThreatModel.from_config(TINY, {"clinet.rank": 4})
 
 
+def test_the_content_an_lti_fit_run_records_is_the_threat_model_it_built():
+    """What the CLI records of a DataModule (stored in its checkpoints) rebuilds the same observed updates, also when
+    deprecated options (data.hash_bins) changed the hashing outside the threat model's keys."""
+    from lti.trainer_cli import instantiate
+
+    with pytest.warns(FutureWarning):
+        _, data = instantiate(str(TINY), ["--data.hash_bins", "12"])
+    content = data.threat_model.to_dict()
+    assert content["hashing"]["bins"] == 12
+    assert ThreatModel.from_dict(content).pipeline.spec == data.pipeline.spec
+
+
 def test_bad_configs_are_refused_in_one_line(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         ThreatModel.from_config(tmp_path / "missing.yaml")

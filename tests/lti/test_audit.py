@@ -426,17 +426,46 @@ def test_an_inverter_loads_from_its_checkpoint_alone_and_predicts_as_its_module(
 
 
 def test_a_checkpoint_without_its_records_or_naming_foreign_code_is_refused(tiny_inverter, tmp_path):
+    from datamodules.threat_model import ThreatModel
     from lti.audit.attacks import LearnedInverter
+    from lti.trainer_cli import instantiate
 
     saved = torch.load(tiny_inverter, map_location="cpu", weights_only=True)
-    older = dict(saved, lti={k: v for k, v in saved["lti"].items() if k not in ("inverter", "threat_model")})
-    torch.save(older, tmp_path / "older.ckpt")
+
+    def written(name: str, **lti) -> str:
+        torch.save(dict(saved, lti={**saved["lti"], **lti}), tmp_path / name)
+        return str(tmp_path / name)
+
+    older = str(tmp_path / "older.ckpt")
+    torch.save(dict(saved, lti={k: v for k, v in saved["lti"].items() if k not in ("inverter", "threat_model")}), older)
     with pytest.raises(ValueError, match="does not record its inverter and threat model"):
-        LearnedInverter.from_checkpoint(str(tmp_path / "older.ckpt"))
-    foreign = dict(saved, lti=dict(saved["lti"], inverter={"class_path": "os.system", "init_args": {}}))
-    torch.save(foreign, tmp_path / "foreign.ckpt")
+        LearnedInverter.from_checkpoint(older)
+    # An older checkpoint loads into the inverter its config builds (what the audit does), predicting the same.
+    module, _ = instantiate(TINY)
+    threat = ThreatModel.from_config(TINY)
+    old = LearnedInverter.from_checkpoint(older, threat, module.inverter)
+    new = LearnedInverter.from_checkpoint(tiny_inverter, threat)
+    features = torch.randn(2, threat.pipeline.spec.num_bins, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(old.predict(features), new.predict(features))
     with pytest.raises(ValueError, match="is not one of the workbench's"):
-        LearnedInverter.from_checkpoint(str(tmp_path / "foreign.ckpt"))
+        LearnedInverter.from_checkpoint(written("foreign.ckpt", inverter={"class_path": "os.system", "init_args": {}}))
+    content = dict(saved["lti"]["threat_model"], defense={"class_path": "subprocess.Popen", "init_args": {}})
+    with pytest.raises(ValueError, match="names 'subprocess.Popen', not one of the workbench's classes"):
+        LearnedInverter.from_checkpoint(written("foreign_threat.ckpt", threat_model=content))
+    target = saved["lti"]["threat_model"]["target"]
+    remote = dict(target, init_args={**target["init_args"], "config": {**target["init_args"]["config"],
+                                                                      "trust_remote_code": True}})
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        LearnedInverter.from_checkpoint(written("remote.ckpt", threat_model=dict(saved["lti"]["threat_model"],
+                                                                                  target=remote)))
+    # Another sequence length than the threat model's: refused, not read as more, shorter sequences.
+    with pytest.raises(ValueError, match="sequences of 8 tokens; the threat model's are 4"):
+        LearnedInverter.from_checkpoint(tiny_inverter, ThreatModel.from_config(TINY, {"seq_len": 4}))
+    # A checkpoint of more than an inverter (a hybrid's evidence prior) is not silently cut down to it.
+    hybrid = str(tmp_path / "hybrid.ckpt")
+    torch.save(dict(saved, state_dict={**saved["state_dict"], "evidence_prior.weight": torch.zeros(1)}), hybrid)
+    with pytest.raises(ValueError, match="holds more than an inverter"):
+        LearnedInverter.from_checkpoint(hybrid)
 
 
 @pytest.fixture(scope="module")
