@@ -71,6 +71,21 @@ class Attack(Protocol):
     def attack(self, update: Tensor, threat_model: ThreatModel, batch_size: int) -> Reconstruction: ...
 
 
+def token_attacks(attacks, owner: str) -> list:
+    """`attacks` as a list, checked for a runner that scores token reconstructions (`owner` names it in the one-line
+    errors): at least one, distinct names (they label rows and metrics), none that recovers a layer's inputs."""
+    attacks = list(attacks)
+    if not attacks:
+        raise ValueError(f"{owner} needs at least one attack")
+    names = [attack.name for attack in attacks]
+    if len(set(names)) != len(names):
+        raise ValueError(f"attack names must differ (they label {owner}'s rows and metrics): {names}")
+    rows = [attack.name for attack in attacks if getattr(attack, "recovers", "tokens") != "tokens"]
+    if rows:
+        raise ValueError(f"{rows[0]} recovers a layer's inputs, not tokens: score it with SpearCallback")
+    return attacks
+
+
 def reads(attack: Attack, batch_size: int) -> bool:
     """Whether `attack` reads updates of `batch_size` sequences (every size, unless it says otherwise)."""
     check = getattr(attack, "reads", None)

@@ -24,7 +24,7 @@ from datamodules.federated.pipeline import UpdatePipeline
 from datamodules.metrics import ROUGE_TYPES, ScoreTotals, score_batch
 from datamodules.threat_model import ThreatModel
 from exact.callbacks.base import ExactAttackCallback
-from exact.interface import Attack, reads
+from exact.interface import Attack, reads, token_attacks
 
 
 class AttackCallback(ExactAttackCallback):
@@ -41,15 +41,7 @@ class AttackCallback(ExactAttackCallback):
             log_samples: Add reconstructions to `pl_module.samples` (key: the attack's name).
         """
         super().__init__(max_updates_per_batch, every_n_batches, stages)
-        if not attacks:
-            raise ValueError("AttackCallback needs at least one attack")
-        rows = [attack.name for attack in attacks if getattr(attack, "recovers", "tokens") != "tokens"]
-        if rows:
-            raise ValueError(f"{rows[0]} recovers a layer's inputs, not tokens: score it with SpearCallback")
-        names = [attack.name for attack in attacks]
-        if len(set(names)) != len(names):
-            raise ValueError(f"attack names must differ (they name the metrics): {names}")
-        self.attacks, self.log_samples = list(attacks), log_samples
+        self.attacks, self.log_samples = token_attacks(attacks, "AttackCallback"), log_samples
         self._threat: ThreatModel | None = None
 
     def _threat_model(self, data: AttackData, pipeline: UpdatePipeline) -> ThreatModel:

@@ -33,7 +33,7 @@ from flwr.serverapp.strategy import Strategy
 
 from datamodules.metrics import ScoreTotals, score_batch
 from datamodules.threat_model import ThreatModel
-from exact.interface import Attack, reads
+from exact.interface import Attack, reads, token_attacks
 from lti.atomic_files import write_text_atomically
 
 #: truth(round, node id) -> (B, L) the client's true token ids, or None (a simulation's; a real server has none)
@@ -74,11 +74,7 @@ class LeakageAudit(Strategy):
                  rounds: Iterable[int] | None = None, truth: Truth | None = None, arrays_key: str = "arrays",
                  overwrite: bool = False) -> None:
         super().__init__()
-        if not attacks:
-            raise ValueError("LeakageAudit needs at least one attack")
-        names = [attack.name for attack in attacks]
-        if len(set(names)) != len(names):
-            raise ValueError(f"attack names must differ (they label the report's rows): {names}")
+        attacks = token_attacks(attacks, "LeakageAudit")
         if not lr > 0:
             raise ValueError(f"lr={lr} must be > 0")
         if local_steps < 1 or (batch_size is not None and batch_size < 1):

@@ -21,6 +21,7 @@ the argparse spelling `--eval a b` still works, with one line on stderr.
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 import time
 
@@ -60,7 +61,7 @@ def _build(args: BuildOptions) -> None:
 def _fit(args: FitOptions, argv: list[str]) -> None:
     from lti.candidates.module import fit
 
-    print(json.dumps(fit(args, "lti candidates " + " ".join(argv)), indent=2))
+    print(json.dumps(fit(args, "lti candidates " + shlex.join(argv)), indent=2))
 
 
 def _evaluate(args: EvaluateOptions, argv: list[str]) -> None:
@@ -108,7 +109,7 @@ def _evaluate(args: EvaluateOptions, argv: list[str]) -> None:
         print(json.dumps(row), flush=True)
         rows.append(row)
     if args.out:
-        write_text_atomically(args.out, json.dumps({"command": "lti candidates " + " ".join(argv), "rows": rows}, indent=2) + "\n")
+        write_text_atomically(args.out, json.dumps({"command": "lti candidates " + shlex.join(argv), "rows": rows}, indent=2) + "\n")
 
 
 def _usage() -> str:

@@ -119,5 +119,9 @@ def test_the_wrapper_refuses_an_earlier_report_and_bad_arguments(tmp_path):
         LeakageAudit(FedAvg(), threat, [], lr=LR, out_dir=tmp_path / "a")
     with pytest.raises(ValueError, match="names must differ"):
         LeakageAudit(FedAvg(), threat, [DagerAttack(), DagerAttack()], lr=LR, out_dir=tmp_path / "b")
+    from exact.interface import SpearAttack
+
+    with pytest.raises(ValueError, match="recovers a layer's inputs, not tokens"):
+        LeakageAudit(FedAvg(), threat, [SpearAttack("model.model.layers.0.mlp.up_proj")], lr=LR, out_dir=tmp_path / "d")
     with pytest.raises(ValueError, match="lr=0"):
         LeakageAudit(FedAvg(), threat, [DagerAttack()], lr=0, out_dir=tmp_path / "c")

@@ -102,7 +102,7 @@ class Setup:
             add_gaussian_noise_inplace(arrays, 2 * clip_norm * np.sqrt(2 * np.log(1.25 / delta)) / epsilon)
             returned = {name: torch.from_numpy(np.asarray(a, dtype=np.float32))
                         for (name, _), a in zip(clients.spec.parameters, arrays)}
-        update = observed_update(sent, returned, lr, self.names)
+        update = observed_update(sent, returned, lr, self.names, steps=local_epochs)  # the mean gradient, as the audit
         return update, {name: grads[0].double() for name, grads in self.server.split(update[None]).items()}
 
 def result_row(found, ids: torch.Tensor, decode, seconds: float) -> dict:
@@ -134,8 +134,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--split", choices=["evaluation", "auxiliary_tail"], default="evaluation")
     parser.add_argument("--lr", type=float, default=0.05, help="the clients' learning rate (the audit's default)")
     parser.add_argument("--clip-norm", type=float, default=None,
-                        help="clip each client's step lr * g to this norm (Flower's fixedclipping_mod; the audit's DP "
-                             "table uses 0.01)")
+                        help="clip each client's weight change to this norm (Flower's fixedclipping_mod; the audit's DP "
+                             "table uses 0.01); with --local-dp-epsilon, LocalDpMod's clipping norm")
     parser.add_argument("--local-epochs", type=int, default=1,
                         help="local SGD steps on the batch (> 1: FedAvg, as --federation.local_epochs)")
     parser.add_argument("--local-dp-epsilon", type=float, default=None,
@@ -204,7 +204,9 @@ def main(argv: list[str] | None = None) -> None:
                        "label_candidates": args.label_candidates, "refine": args.refine,
                        "screen_sites": args.screen_sites, "shortlist": args.shortlist, "scorer": args.scorer,
                        "clip_norm": args.clip_norm, "local_epochs": args.local_epochs,
-                       "local_dp_epsilon": args.local_dp_epsilon, "overrides": dict(args.set),
+                       "local_dp_epsilon": args.local_dp_epsilon,
+                       "local_dp_delta": args.local_dp_delta if args.local_dp_epsilon is not None else None,
+                       "overrides": dict(args.set),
                        "second_opinion_file": args.second_opinion}
                 log.write(json.dumps(row) + "\n")
                 log.flush()
