@@ -10,9 +10,10 @@
 - `SerialGrid`: a Flower `Grid` that runs the `ClientApp` of every node in this process, one message at
   a time, each message and reply passing through Flower's wire format (protobuf) as on a network.
   Flower's own simulation runtime needs Ray (its only backend); on a 2-core CPU with one model copy per
-  client process it only adds cost, so the audit drives the same `ClientApp` and strategy itself. It uses
-  Flower's public API only: the ids, run and time a SuperLink stamps on a message are written into the
-  message's protobuf form (the wire format's own fields), never into a Flower object's private fields.
+  client process it only adds cost, so the audit drives the same `ClientApp` and strategy itself. It writes
+  no private Flower field: the ids, run and time a SuperLink stamps on a message are written into the
+  message's protobuf form (the wire format's own fields), and the task identity is set through its public
+  setters (`TaskIdentity` and the serialisation helpers are Flower modules outside its documented exports).
 """
 
 from __future__ import annotations

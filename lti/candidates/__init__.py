@@ -4,5 +4,5 @@ A RoPE target's first-layer span test names an update's bag of tokens but not th
 (`exact.span_evidence.CandidateEvidence`). `evidence_file` computes the candidates of many simulated
 updates once and stores them; `pointer` is the plain-PyTorch network that orders them; `module` its
 Lightning wrapper; `cli` the `lti candidates build|fit|evaluate` commands, their options the
-dataclasses of `options` (parsed by `command_line`, which `lti matrix` shares).
+dataclasses of `options` (parsed by `lti.command_line`, which `lti matrix` shares).
 """

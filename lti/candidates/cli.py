@@ -13,7 +13,7 @@ the evaluation file's (held-out client text), writing `curve.csv`, checkpoints, 
 `evaluate` decodes a trained pointer's output with each rule of `lti.candidates.decoding`.
 
 Each command's options are a dataclass of `lti.candidates.options`, parsed by jsonargparse
-(`lti.candidates.command_line`): `fit` and `evaluate` also read them from `--config FILE` (`build`'s
+(`lti.command_line`): `fit` and `evaluate` also read them from `--config FILE` (`build`'s
 `--config` is the threat model's `lti fit` config, as before). Lists are written `--eval '[a, b]'`;
 the argparse spelling `--eval a b` still works, with one line on stderr.
 """
@@ -121,7 +121,7 @@ def _usage() -> str:
 
 def parse(argv: list[str]) -> tuple[str, BuildOptions | FitOptions | EvaluateOptions]:
     """`COMMAND --option value ...` -> the command and its options, checked; bad input: one line, exit 2."""
-    from lti.candidates.command_line import parse_options
+    from lti.command_line import parse_options
 
     if not argv or argv[0] in ("-h", "--help"):
         if argv:

@@ -1,5 +1,5 @@
 """The options of `lti candidates build|fit|evaluate`, one dataclass per command; they become each
-command's `--help` (`lti.candidates.command_line`)."""
+command's `--help` (`lti.command_line`)."""
 
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ This package drives the CLI; it holds no model code. Its modules, each importing
 * `cell`: one cell's `lti` runs in the current process, and its record;
 * `launchers`: where cells run (`inline`, `local`, `slurm`), their jobs' files and states;
 * `runner`: the grid through a launcher, `--collect`, `--status`, the `--dry_run` plan, the time estimate;
-* `options`: `MatrixOptions`, the command line's options (parsed by `lti.candidates.command_line`);
+* `options`: `MatrixOptions`, the command line's options (parsed by `lti.command_line`);
 * `cli`: `main`, the `lti matrix` command line (also `python -m lti.matrix`).
 """
 

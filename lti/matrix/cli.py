@@ -1,6 +1,6 @@
 """`lti matrix` on the command line: runs, resumes, submits, follows (`--status`), collects
 (`--collect`) or plans (`--dry_run`) a grid. Its options are `lti.matrix.options.MatrixOptions`, parsed
-by jsonargparse (`lti.candidates.command_line`; also from `--config FILE`): lists are written
+by jsonargparse (`lti.command_line`; also from `--config FILE`): lists are written
 `--attacks '[dager, spear]'` and resources `--resource+ cpus=1`; the argparse spellings `--attacks
 dager spear` and `--resource cpus=1` still work, with one line on stderr."""
 
@@ -43,7 +43,7 @@ def parse(argv: list[str]) -> MatrixOptions:
     from jsonargparse import DefaultHelpFormatter
 
     from lti import matrix  # the package docstring's first paragraph describes the command
-    from lti.candidates.command_line import parse_options
+    from lti.command_line import parse_options
 
     class Formatter(argparse.RawDescriptionHelpFormatter, DefaultHelpFormatter):
         """jsonargparse's help, with the description and the table of resources below it as written."""

@@ -1,4 +1,4 @@
-"""The options of `lti matrix`: a dataclass that becomes its `--help` (`lti.candidates.command_line`)."""
+"""The options of `lti matrix`: a dataclass that becomes its `--help` (`lti.command_line`)."""
 
 from __future__ import annotations
 
