@@ -54,20 +54,29 @@ class AttackCallback(ExactAttackCallback):
                     attack.use_server_text(data.blocks(data.prior_split)[0])
         return self._threat
 
+    def _attacks_for(self, pipeline: UpdatePipeline) -> list[Attack]:
+        """The attacks run on this pipeline's updates (a subclass may adapt them to its client protocol)."""
+        return self.attacks
+
+    def _attacked(self, pl_module: LightningModule, pipeline: UpdatePipeline, attack: Attack, found, per_update: int) -> None:
+        """Called after each update an attack read (a subclass's notes on what it found)."""
+
     def _run(self, trainer: Trainer, pl_module: LightningModule, batch: dict, update: torch.Tensor,
              pipeline: UpdatePipeline, stage: str) -> None:
         data: AttackData = trainer.datamodule
-        if data.tokenizer is None or data.seq_len is None:
+        if data.seq_len is None:
             self._warn("text", "the attacks read text updates; this DataModule holds none: skipped")
             return
         threat = self._threat_model(data, pipeline)
+        # Scored as text; without a tokenizer (token ids of a synthetic vocabulary) as the ids themselves.
+        decode = data.tokenizer.decode if data.tokenizer is not None else (lambda t: " ".join(map(str, t)))
         ids, mask = batch["input_ids"], batch.get("attention_mask")
         if ids.dim() == 2:  # one sequence per update
             ids, mask = ids[:, None], None if mask is None else mask[:, None]
         per_update = data.samples_per_update  # what the server knows, never read off the client's data
         count = self._count(ids.shape[0])
         common = dict(on_step=False, on_epoch=True, sync_dist=True)
-        for attack in self.attacks:
+        for attack in self._attacks_for(pipeline):
             if not reads(attack, per_update):
                 self._warn(f"reads-{attack.name}", f"{attack.name} does not read updates of {per_update} sequences: skipped")
                 continue
@@ -75,10 +84,11 @@ class AttackCallback(ExactAttackCallback):
             for u in range(count):
                 found = attack.attack(update[u], threat, per_update)
                 scores = score_batch(found.sequences, ids[u].cpu(), None if mask is None else mask[u].cpu(),
-                                     threat.decode, found.certified_update)
+                                     decode, found.certified_update)
                 totals.add(scores)
                 certified += int(found.certified_update)
-                texts.append((u, scores))
+                texts.append((u, scores, found))
+                self._attacked(pl_module, pipeline, attack, found, per_update)
             prefix, means = f"{stage}/{attack.name}", totals.means()
             pl_module.log(f"{prefix}/token_acc", means["token_acc"], batch_size=max(1, totals.tokens), **common)
             for key in (*ROUGE_TYPES, "exact_fraction"):
@@ -90,12 +100,18 @@ class AttackCallback(ExactAttackCallback):
 
 
 def _add_samples(samples: list, batch: dict, name: str, texts: list, updates: int) -> None:
-    """The reconstructions beside the module's own samples of the same updates (matched by index)."""
+    """The reconstructions beside the module's own samples of the same updates (matched by index): the text, whether
+    it is exact and certified, and its scores, each key prefixed by the attack's name."""
     index = batch.get("index")
     recent = samples[-updates:] if updates else []
-    for u, scores in texts:
+    for u, scores, found in texts:
         key = int(index[u]) if isinstance(index, torch.Tensor) and index.numel() > u else None
-        fields = {name: "\n".join(pred for pred, _ in scores["pairs"]), f"{name}_token_acc": scores["token_acc"]}
+        # The recovered sequences in the order of the references they were matched to.
+        fields = {name: "\n".join(pred for pred, _ in scores["pairs"]),
+                  f"{name}_exact": bool(scores["exact_fraction"] == 1.0),
+                  f"{name}_certified": bool(found.certified_update),
+                  f"{name}_token_acc": scores["token_acc"],
+                  **{f"{name}_{k}": scores[k] for k in ROUGE_TYPES}}
         match = next((r for r in recent if key is not None and key >= 0 and r.get("index") == key), None)
         if match is not None:
             match.update(fields)

@@ -16,21 +16,22 @@ The attack never reads the true tokens; they are used here for the metrics only.
 
 from __future__ import annotations
 
-import time
+from lightning.pytorch import LightningModule
 
-import torch
-from lightning.pytorch import LightningModule, Trainer
-
-from datamodules.attack_data import AttackData
 from datamodules.federated.pipeline import UpdatePipeline
-from datamodules.metrics import ROUGE_TYPES, ScoreTotals, score_batch
-from exact.callbacks.base import ExactAttackCallback
+from exact.callbacks.attacks import AttackCallback
 from exact.dager import Dager, local_step_offsets
 from exact.dager.feasibility import feasibility_notes
+from exact.interface import DagerAttack
 
 
-class DagerCallback(ExactAttackCallback):
+class DagerCallback(AttackCallback):
+    """DAGER through the attack callback (`AttackCallback` with one `DagerAttack`, named `dager`), adapted to the
+    client protocol: a multi-step client's thresholds loosened and its local steps' path followed; the first update
+    read says why exact recovery may be impossible here."""
+
     attack_name = "DAGER"
+
     def __init__(
         self,
         attack: Dager | None = None,
@@ -58,11 +59,10 @@ class DagerCallback(ExactAttackCallback):
                 step (`Dager.attack(trajectory=...)`, offsets t * lr), so sequences seen only after the
                 first step are tested at (nearly) the weights they were seen at.
         """
-        super().__init__(max_updates_per_batch, every_n_batches, stages)
         if multi_step_threshold is not None and not multi_step_threshold > 0:
             raise ValueError(f"multi_step_threshold={multi_step_threshold} must be > 0 or null")
         self.attack = attack if attack is not None else Dager()
-        self.log_samples = log_samples
+        super().__init__([DagerAttack(self.attack)], max_updates_per_batch, every_n_batches, stages, log_samples)
         self.multi_step_threshold = multi_step_threshold
         self.follow_trajectory = follow_trajectory
         self._feasibility_said = False
@@ -84,53 +84,13 @@ class DagerCallback(ExactAttackCallback):
         their gradients: `gradient_scale`), or () for FedSGD and when not following."""
         return local_step_offsets(pipeline.client) if self.follow_trajectory else ()
 
-    def _run(self, trainer: Trainer, pl_module: LightningModule, batch: dict, update: torch.Tensor,
-             pipeline: UpdatePipeline, stage: str) -> None:
-        data: AttackData = trainer.datamodule
-        start = time.perf_counter()
-        ids = batch["input_ids"]
-        mask = batch.get("attention_mask")
-        if ids.dim() == 2:  # one sequence per update
-            ids = ids[:, None]
-            mask = None if mask is None else mask[:, None]
-        updates, per_update, length = ids.shape
-        # The attack is told the protocol's sequences per update and block length (what the server
-        # knows), never sizes read off the client's data.
-        protocol_batch = data.samples_per_update
-        protocol_length = data.seq_len if data.seq_len is not None else length
-        count = self._count(updates)
-        split = pipeline.split(update[:count])
-        decode = data.tokenizer.decode if data.tokenizer is not None else (lambda t: " ".join(map(str, t)))
-        totals = ScoreTotals()
-        certified = 0
-        records = []
-        attack = self._attack_for(pipeline)
-        trajectory = self._trajectory(pipeline)
-        for u in range(count):
-            result = attack.attack(
-                pipeline.target, {name: grads[u] for name, grads in split.items()},
-                batch_size=protocol_batch, max_length=protocol_length, trajectory=trajectory,
-                sequence_update=pipeline.sequence_update,
-            )
-            self._say_feasibility(pl_module, pipeline, result.diagnostics, attack.options.span.min_codimension,
-                                   protocol_batch)
-            scores = score_batch(
-                result.sequences, ids[u].cpu(), None if mask is None else mask[u].cpu(), decode, result.exact
-            )
-            totals.add(scores)
-            certified += int(result.exact)
-            records.append((u, result, scores))
-        seconds = time.perf_counter() - start
-        prefix = f"{stage}/dager"
-        common = dict(on_step=False, on_epoch=True, sync_dist=True)
-        means, sequences = totals.means(), max(1, totals.sequences)
-        pl_module.log(f"{prefix}/token_acc", means["token_acc"], batch_size=max(1, totals.tokens), **common)
-        for key in (*ROUGE_TYPES, "exact_fraction"):
-            pl_module.log(f"{prefix}/{key}", means[key], batch_size=sequences, **common)
-        pl_module.log(f"{prefix}/certified_fraction", certified / max(1, count), batch_size=max(1, count), **common)
-        pl_module.log(f"{prefix}/seconds_per_batch", seconds, batch_size=1, **common)
-        if self.log_samples and isinstance(getattr(pl_module, "samples", None), list):
-            self._add_samples(pl_module.samples, batch, records, updates)
+    def _attacks_for(self, pipeline: UpdatePipeline) -> list[DagerAttack]:
+        return [DagerAttack(self._attack_for(pipeline), self._trajectory(pipeline))]
+
+    def _attacked(self, pl_module: LightningModule, pipeline: UpdatePipeline, attack: DagerAttack, found,
+                  per_update: int) -> None:
+        self._say_feasibility(pl_module, pipeline, found.diagnostics, attack.dager.options.span.min_codimension,
+                              per_update)
 
     def _say_feasibility(self, pl_module: LightningModule, pipeline: UpdatePipeline, diagnostics: dict, min_codimension: int,
                          batch_size: int | None = None) -> None:
@@ -148,25 +108,3 @@ class DagerCallback(ExactAttackCallback):
             print(f"lti: note: {note}")
         if notes and isinstance(getattr(pl_module, "run_notes", None), list):
             pl_module.run_notes.extend(notes)
-
-    @staticmethod
-    def _add_samples(samples: list, batch: dict, records: list, updates: int) -> None:
-        index = batch.get("index")
-        recent = samples[-updates:] if updates else []
-        for u, result, scores in records:
-            key = int(index[u]) if isinstance(index, torch.Tensor) and index.numel() > u else None
-            # The m recovered sequences in the order of the references they were matched to.
-            text = "\n".join(pred for pred, _ in scores["pairs"])
-            fields = {
-                "dager": text,
-                "dager_exact": bool(scores["exact_fraction"] == 1.0),
-                "dager_certified": bool(result.exact),
-                "dager_token_acc": scores["token_acc"],
-                **{f"dager_{k}": scores[k] for k in ROUGE_TYPES},
-            }
-            match = next((r for r in recent if key is not None and key >= 0 and r.get("index") == key), None)
-            if match is not None:
-                match.update(fields)
-            else:
-                reference = "\n".join(ref for _, ref in scores["pairs"])
-                samples.append({"index": -1 if key is None else key, "reference": reference, **fields})
