@@ -285,7 +285,10 @@ def record_configs(model: LightningModule, data: LightningDataModule, config) ->
 
     threat_model = getattr(data, "threat_model", None)
     if threat_model is not None:
-        threat_model.record_content(init_args(config.get("data")))
+        section = init_args(config.get("data"))
+        threat_model.record_content(section)
+        # The rest of the data side (corpus, packing), for files that must name the text they were built from.
+        data.recorded_config = section
     inverter = init_args(config.get("model")).get("inverter")
     if inverter is not None and hasattr(model, "inverter"):
         model.inverter_record = inverter.as_dict() if hasattr(inverter, "as_dict") else dict(inverter)

@@ -47,8 +47,8 @@ def differing(a: dict, b: dict, keys: Sequence[str] = SHARED) -> list[str]:
     store their threat model by content (`threat_model`) are compared by it, not by the config's path and
     overrides: an edited config file changes the content, a moved one does not."""
     by_content = "threat_model" in a and "threat_model" in b
-    if by_content:
-        keys = [k for k in keys if k not in ("config", "overrides")] + ["threat_model"]
+    if by_content:  # the threat model and the text the blocks come from (corpus, packing)
+        keys = [k for k in keys if k not in ("config", "overrides")] + ["threat_model", "text"]
     return [k for k in keys if a.get(k) != b.get(k)]
 
 
@@ -224,7 +224,8 @@ def build(config: str, split: str, out: str | Path, count: int = 32, limit: int 
                 # learned inverter's checkpoints record it: the audit compares it with its own
                 "hash_spec": json.dumps(pipeline.spec.to_dict()),
                 # the whole threat model by content: what the file means does not change with its config file
-                "threat_model": json.dumps(data.threat_model.to_dict(), sort_keys=True)}
+                "threat_model": json.dumps(data.threat_model.to_dict(), sort_keys=True),
+                "text": json.dumps(_text_of(data), sort_keys=True, default=str)}
     for path, index in zip(paths, torch.arange(len(blocks)).tensor_split(len(paths))):
         path.parent.mkdir(parents=True, exist_ok=True)
         where = {"first_block": str(skip + int(index[0]) if len(index) else skip)}  # this file's first block in the split
@@ -232,6 +233,12 @@ def build(config: str, split: str, out: str | Path, count: int = 32, limit: int 
         with atomic_writer(path) as f:
             f.write(save(shard, metadata={**metadata, **where, "checksums": checksums(shard)}))
     return paths
+
+
+def _text_of(data) -> dict:
+    """The corpus and packing the blocks come from, as the config gave them (the threat model holds neither)."""
+    recorded = getattr(data, "recorded_config", None) or {}
+    return {"corpus": recorded.get("corpus", type(data.corpus).__name__), "packing": data.packing}
 
 
 def load(paths: Sequence[str | Path]) -> EvidenceSet:

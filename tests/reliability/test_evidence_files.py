@@ -198,3 +198,13 @@ def test_files_record_their_threat_model_by_content_and_are_compared_by_it(evide
     build(str(edited), "evaluation", tmp_path / "edited.safetensors", count=8, limit=4, batch=4)
     with pytest.raises(ValueError, match="differ in .*threat_model"):
         load([evidence, tmp_path / "edited.safetensors"])
+    # The same threat model over other text (another corpus) is refused too: the blocks would not be one split.
+    other_text = tmp_path / "other_text.yaml"
+    other_text.write_text(Path(TINY).read_text().replace(
+        "    class_path: datamodules.text.EmbeddedCorpus",
+        "    class_path: datamodules.text.LocalCorpus\n"
+        f"    init_args: {{auxiliary_files: [{REPO / 'README.md'}], evaluation_files: [{REPO / 'docs' / 'usage.md'}]}}"))
+    build(str(other_text), "evaluation", tmp_path / "other_text.safetensors", count=8, limit=4, batch=4)
+    assert json.loads(_contents(tmp_path / "other_text.safetensors")[1]["threat_model"]) == json.loads(metadata["threat_model"])
+    with pytest.raises(ValueError, match="differ in text"):
+        load([evidence, tmp_path / "other_text.safetensors"])
