@@ -25,6 +25,7 @@ statistics to `whitening/`, one file per model and auxiliary blocks.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import hashlib
 import json
@@ -185,7 +186,7 @@ class Audit:
             self.say(f"note: removed {len(orphans)} partial file(s) that an interrupted audit left in {self.out}")
 
     def _build(self) -> None:
-        from exact.dager import local_step_offsets
+        from exact.dager import Dager, local_step_offsets
         from exact.interface import DagerAttack
         from lti.audit.attacks import LearnedInverter, PointerAttack, RoundAttacks
         from lti.audit.federation import client_pipeline
@@ -237,7 +238,10 @@ class Audit:
                               "server attacks their mean gradient (w - returned) / (steps * lr), DAGER also along the "
                               "clients' path. The staleness probe simulates the threat model's one-step updates.")
         # In the report's order. DAGER also tests its second layer along a FedAvg client's path of local steps.
-        attacks = [DagerAttack(trajectory=local_step_offsets(self.clients.client.local))] if self.options.attacks.dager else []
+        dager = Dager(**{f.name: getattr(self.options.attacks.dager_search, f.name)
+                         for f in dataclasses.fields(self.options.attacks.dager_search)})
+        attacks = ([DagerAttack(dager, trajectory=local_step_offsets(self.clients.client.local))]
+                   if self.options.attacks.dager else [])
         if self.options.attacks.batched:
             attacks.append(self._batched_attack(aux_ids))
         attacks += [attack for attack in (learned, pointer) if attack is not None]

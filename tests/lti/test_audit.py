@@ -227,6 +227,23 @@ def test_a_learned_scorer_fitted_for_another_model_is_refused_and_nothing_is_lef
     assert not (tmp_path / "s").exists()
 
 
+def test_dagers_options_are_a_config_group_of_the_audit(tmp_path, capsys):
+    """`--attacks.dager_search.*` reaches the DAGER the audit runs (its thresholds, budgets, extensions)."""
+    from exact.dager.options import DagerOptions, SpanTests
+    from lti.audit.cli import main as audit_main
+
+    options = AuditOptions(threat_model=TINY, out_dir=str(tmp_path / "d"),
+                           attacks=AttackOptions(batched=False, probe_sequences=0,
+                                                 dager_search=DagerOptions(span=SpanTests(l1_threshold=0.25))))
+    audit = Audit(options, say=lambda *_: None)
+    audit._build()
+    assert audit.attacks.attacks[0].dager.options.span.l1_threshold == 0.25
+    with pytest.raises(SystemExit) as exit_info:
+        audit_main(["--threat_model", TINY, "--attacks.dager_search.span.l1_threshold", "-1"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == "lti audit: error: DAGER l1_threshold=-1.0 must be a finite number > 0"
+
+
 def test_the_batched_attack_reads_updates_of_several_sequences_and_checks_them_by_least_squares(tmp_path):
     options = AuditOptions(threat_model=TINY, out_dir=str(tmp_path / "b"),
                            federation=FederationOptions(clients=2, rounds=1, lr=0.5, batch_size=2),
