@@ -5,8 +5,8 @@
   sequences or FedAvg's local SGD steps over them, train-mode dropout, the workbench defense) and
   return their new adapter weights (w - lr * update, or FedAvg's w - delta), through Flower's DP mods
   when asked.
-- `ObservedFedAvg`: Flower's `FedAvg` (message API) that first hands every reply's arrays, exactly as
-  Flower delivered them, with the arrays it sent that round, to an observer; then aggregates as usual.
+- `observed_fedavg`: Flower's `FedAvg` (message API) wrapped in `ObservedStrategy`, which first hands every reply's
+  arrays, exactly as Flower delivered them, with the arrays sent that round, to an observer; then aggregates.
 - `SerialGrid`: a Flower `Grid` that runs the `ClientApp` of every node in this process, one message at
   a time, each message and reply passing through Flower's wire format (protobuf) as on a network.
   Flower's own simulation runtime needs Ray (its only backend); on a 2-core CPU with one model copy per
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from uuid import uuid4
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.common.serde import message_from_proto, message_to_proto
@@ -39,6 +39,7 @@ from datamodules.federated import FedAvgClient, FedSGDClient, LoRAClient, Update
 from datamodules.federated.defenses import NoDefense
 from datamodules.federated.hashing import FeatureHasher, Hashing
 from datamodules.threat_model import load_parameters
+from lti.audit.observed import ObservedStrategy
 
 #: The keys of the records a train message and its reply carry (Flower's FedAvg defaults).
 ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"
@@ -149,37 +150,27 @@ def make_client_app(pipeline: UpdatePipeline, data: ClientData, lr: float, mods:
 Observer = Callable[[int, int, ArrayRecord, ArrayRecord], None]
 
 
-class ObservedFedAvg(FedAvg):
-    """Flower's FedAvg, with every client reply shown to `observer` before it is aggregated.
+def observed_fedavg(observer: Observer, node_to_client: dict[int, int], round_offset: int = 0,
+                    **fedavg: object) -> ObservedStrategy:
+    """Flower's FedAvg (`fedavg`: its arguments), with every client reply shown to `observer` before it is
+    aggregated (`lti.audit.observed.ObservedStrategy`).
 
-    The observer receives the `ArrayRecord` of each reply exactly as the grid delivered it (no copy, no
-    conversion) and the arrays this strategy sent in that round; `node_to_client` maps Flower node ids to
-    the audit's client indices. `round_offset` makes Flower's round numbers absolute in a resumed audit.
+    The observer receives (absolute round, client index, the arrays sent to the client, the `ArrayRecord` of its
+    reply exactly as the grid delivered it: no copy, no conversion); `node_to_client` maps Flower node ids to the
+    audit's client indices; `round_offset` makes Flower's round numbers absolute in a resumed audit (the clients
+    are told it too). A client's failure stops the round with one line naming it.
     """
+    fedavg.setdefault("fraction_evaluate", 0.0)  # utility is measured on the server (evaluate_fn)
 
-    def __init__(self, observer: Observer, node_to_client: dict[int, int], round_offset: int = 0, **kwargs) -> None:
-        kwargs.setdefault("fraction_evaluate", 0.0)  # utility is measured on the server (evaluate_fn)
-        super().__init__(**kwargs)
-        self.observer = observer
-        self.node_to_client = dict(node_to_client)
-        self.round_offset = int(round_offset)
-        self._sent: dict[int, ArrayRecord] = {}
-
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
-        self._sent[server_round] = arrays
-        config[ROUND_OFFSET] = self.round_offset
-        return super().configure_train(server_round, arrays, config, grid)
-
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]):
-        replies = list(replies)
-        sent = self._sent.pop(server_round)
-        for reply in sorted(replies, key=lambda m: self.node_to_client[m.metadata.src_node_id]):
+    def observe_round(server_round: int, sent: dict[int, ArrayRecord], replies: list[Message]) -> None:
+        for reply in sorted(replies, key=lambda m: node_to_client[m.metadata.src_node_id]):
+            node = reply.metadata.src_node_id
             if reply.has_error():
-                raise RuntimeError(f"client {self.node_to_client[reply.metadata.src_node_id]} failed in round "
-                                   f"{server_round + self.round_offset}: {reply.error.reason}")
-            self.observer(server_round + self.round_offset, self.node_to_client[reply.metadata.src_node_id],
-                          sent, reply.content[ARRAYS])
-        return super().aggregate_train(server_round, replies)
+                raise RuntimeError(f"client {node_to_client[node]} failed in round {server_round + round_offset}: "
+                                   f"{reply.error.reason}")
+            observer(server_round + round_offset, node_to_client[node], sent[node], reply.content[ARRAYS])
+
+    return ObservedStrategy(FedAvg(**fedavg), observe_round, config={ROUND_OFFSET: int(round_offset)})
 
 
 #: The three parts of Flower's task identity, in the order `task_identity` takes them.

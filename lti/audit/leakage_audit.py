@@ -26,15 +26,15 @@ from logging import INFO
 from pathlib import Path
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, Message
 from flwr.common.logger import log
-from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from datamodules.metrics import ScoreTotals, score_batch
 from datamodules.threat_model import ThreatModel
 from exact.interface import Attack, reads, token_attacks
 from lti.atomic_files import write_text_atomically
+from lti.audit.observed import ObservedStrategy
 
 #: truth(round, node id) -> (B, L) the client's true token ids, or None (a simulation's; a real server has none)
 Truth = Callable[[int, int], torch.Tensor | None]
@@ -51,7 +51,7 @@ def arrays_digest(arrays: ArrayRecord) -> str:
     return digest.hexdigest()
 
 
-class LeakageAudit(Strategy):
+class LeakageAudit(ObservedStrategy):
     """Wraps `strategy`; every attacked round's client updates are read by `attacks` before aggregation.
 
     Args:
@@ -73,16 +73,15 @@ class LeakageAudit(Strategy):
                  out_dir: str | Path, local_steps: int = 1, batch_size: int | None = None,
                  rounds: Iterable[int] | None = None, truth: Truth | None = None, arrays_key: str = "arrays",
                  overwrite: bool = False) -> None:
-        super().__init__()
+        super().__init__(strategy, rounds=rounds, arrays_key=arrays_key)
         attacks = token_attacks(attacks, "LeakageAudit")
         if not lr > 0:
             raise ValueError(f"lr={lr} must be > 0")
         if local_steps < 1 or (batch_size is not None and batch_size < 1):
             raise ValueError("local_steps and batch_size must be >= 1")
-        self.strategy, self.threat_model, self.attacks = strategy, threat_model, list(attacks)
+        self.threat_model, self.attacks = threat_model, list(attacks)
         self.lr, self.local_steps, self.batch_size = float(lr), int(local_steps), batch_size
-        self.rounds = None if rounds is None else {int(r) for r in rounds}
-        self.truth, self.arrays_key = truth, arrays_key
+        self.truth = truth
         self.out_dir = Path(out_dir)
         earlier = sorted(self.out_dir.glob("round-*.json")) + sorted(self.out_dir.glob("summary.json"))
         if earlier and not overwrite:
@@ -91,7 +90,6 @@ class LeakageAudit(Strategy):
         for path in earlier:
             path.unlink()
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self._sent: dict[int, dict[int, ArrayRecord]] = {}
         self._totals: dict[str, ScoreTotals] = {}
         self._counts: dict[str, dict[str, float]] = {}
 
@@ -102,29 +100,7 @@ class LeakageAudit(Strategy):
         log(INFO, "\t├── LeakageAudit: attacks %s, report in %s", [a.name for a in self.attacks], self.out_dir)
         self.strategy.summary()
 
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
-        messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
-        if self._attacked(server_round):
-            self._sent[server_round] = {m.metadata.dst_node_id: m.content[self.arrays_key] for m in messages}
-        return messages
-
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        replies = list(replies)
-        sent = self._sent.pop(server_round, None)
-        if sent is not None:
-            self._read_round(server_round, sent, replies)
-        return self.strategy.aggregate_train(server_round, replies)
-
-    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
-        return self.strategy.configure_evaluate(server_round, arrays, config, grid)
-
-    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        return self.strategy.aggregate_evaluate(server_round, replies)
-
-    def _attacked(self, server_round: int) -> bool:
-        return self.rounds is None or server_round in self.rounds
-
-    def _read_round(self, server_round: int, sent: dict[int, ArrayRecord], replies: list[Message]) -> None:
+    def observe_round(self, server_round: int, sent: dict[int, ArrayRecord], replies: list[Message]) -> None:
         threat = self.threat_model
         model = dict(threat.target.named_parameters())
         rows = []

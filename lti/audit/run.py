@@ -391,7 +391,7 @@ class Audit:
         from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping
         from tqdm.auto import tqdm
 
-        from lti.audit.federation import ObservedFedAvg, SerialGrid, adapter_state, make_client_app
+        from lti.audit.federation import SerialGrid, adapter_state, make_client_app, observed_fedavg
 
         fed = self.options.federation
         done = self.finished_rounds()
@@ -438,8 +438,8 @@ class Audit:
         bar = tqdm(total=fed.rounds, initial=done, desc="federated rounds", unit="round")
         app = make_client_app(self.clients, self.client_data, fed.lr, flower_mods(self.options))
         grid = SerialGrid(app, fed.clients)
-        strategy = ObservedFedAvg(observe, grid.node_to_client, round_offset=done,
-                                  min_train_nodes=fed.clients, min_available_nodes=fed.clients)
+        strategy = observed_fedavg(observe, grid.node_to_client, round_offset=done,
+                                   min_train_nodes=fed.clients, min_available_nodes=fed.clients)
         if self.options.flower_dp.mode == "fixed_clipping":
             dp = self.options.flower_dp
             strategy = DifferentialPrivacyClientSideFixedClipping(strategy, dp.noise_multiplier, dp.clipping_norm,

@@ -20,12 +20,12 @@ from datamodules.targets import HFCausalLM  # noqa: E402
 from exact.batched import BatchedOptions  # noqa: E402
 from lti.audit.attacks import observed_update  # noqa: E402
 from lti.audit.federation import (  # noqa: E402
-    ObservedFedAvg,
     SerialGrid,
     adapter_state,
     client_pipeline,
     load_adapter_state,
     make_client_app,
+    observed_fedavg,
 )
 from lti.audit.options import AttackOptions, AuditOptions, FederationOptions, FlowerDPOptions  # noqa: E402
 from lti.audit.run import Audit, client_batch_indices, client_ranges, epsilon_after  # noqa: E402
@@ -58,7 +58,7 @@ def federate(pipeline, rounds=2, clients=3, lr=0.05, mods=None, wrap=None, local
         globals_[round_] = global_arrays
 
     grid = SerialGrid(app, clients)
-    strategy = ObservedFedAvg(observe, grid.node_to_client, min_train_nodes=clients, min_available_nodes=clients)
+    strategy = observed_fedavg(observe, grid.node_to_client, min_train_nodes=clients, min_available_nodes=clients)
     if wrap is not None:
         strategy = wrap(strategy)
     with grid.serving():
