@@ -7,6 +7,7 @@ import difflib
 import errno
 import importlib
 import inspect
+import json
 import os
 import re
 import warnings
@@ -291,7 +292,9 @@ def record_configs(model: LightningModule, data: LightningDataModule, config) ->
         data.recorded_config = section
     inverter = init_args(config.get("model")).get("inverter")
     if inverter is not None and hasattr(model, "inverter"):
-        model.inverter_record = inverter.as_dict() if hasattr(inverter, "as_dict") else dict(inverter)
+        record = inverter.as_dict() if hasattr(inverter, "as_dict") else dict(inverter)
+        # Plain JSON values only: a checkpoint is loaded with weights_only, which refuses other objects.
+        model.inverter_record = json.loads(json.dumps(record, default=str))
 
 
 def trainer_defaults() -> dict:
