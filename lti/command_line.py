@@ -22,6 +22,24 @@ from typing import Any
 _NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
 
 
+class Real(float):
+    """The type of a float option that also takes Python's spellings of the values that are not finite
+    (`nan`, `inf`, `-inf`, in any case): YAML reads only `.nan` and `.inf` as numbers, so `--lr nan` would be
+    refused as a bad value before the option's own check could say what is wrong with it (`--lr nan must
+    be finite and > 0`). Parsed values are plain floats."""
+
+
+def _real(value: Any) -> float:
+    if isinstance(value, str) and value.strip().lower() in (".nan", ".inf", "+.inf", "-.inf"):
+        value = value.strip().replace(".", "")  # YAML's spellings, which the parser took for a float
+    if isinstance(value, bool):  # YAML's true/false: float() would take them as 1.0 and 0.0
+        raise ValueError(f"expected float, got {value}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"expected float, got {value}") from None
+
+
 def _list_item(hint: Any) -> Any:
     """The item type of a `list[X]` or `list[X] | None` field; None for any other field."""
     for candidate in (hint, *typing.get_args(hint)):
@@ -34,7 +52,7 @@ def _list_value(values: list[str], item: Any) -> str:
     """`a b` -> `[a, b]` for the parser; JSON where YAML would read a value as something else than the
     string given (`16`, `yes`, `null`, `a: b`), so the values arrive as they were typed."""
     plain = "[" + ", ".join(values) + "]"
-    if item in (int, float):
+    if item in (int, float, Real):
         return plain  # the parser reads and checks the numbers
     import yaml
 
@@ -124,7 +142,9 @@ def options_parser(prog: str, options: type, config_file: bool = True, descripti
     import inspect
 
     from jsonargparse import ActionConfigFile, ActionYesNo, ArgumentParser
+    from jsonargparse.typing import register_type
 
+    register_type(Real, serializer=float, deserializer=_real)  # once: the same registration again is a no-op
     if description is None:
         description = inspect.cleandoc(options.__doc__ or "").split("Args:")[0].strip()
     # allow_abbrev: the argparse commands took unique prefixes (`--max_par`); jsonargparse warns of them otherwise
@@ -160,6 +180,7 @@ def parse_options(prog: str, options: type, argv: list[str], error_prefix: str |
         # a flag's value that is not a boolean: argparse's words name the converter, not the option's values
         line = re.sub(r"argument --(\w+)/--no_\w+: invalid _boolean_type value: (.*)",
                       r"option '\1' is a flag (--\1, or --\1 true|false), not \2", line)
+        line = line.replace(f"Not of type {Real.__name__}: ", "")  # a float option's value: "expected float, got ..."
         print(f"{error_prefix}: error: {line}", file=sys.stderr)
         raise SystemExit(2) from None
     fields = {f.name for f in dataclasses.fields(options)}

@@ -183,8 +183,7 @@ class LTICLI(LightningCLI):
 
     def _model_arguments(self, subcommand: str):
         """The model's arguments in the parsed config (`model.init_args` in subclass mode)."""
-        model = self.config[subcommand].get("model")
-        return model.get("init_args", model) if model is not None else None
+        return init_args(self.config[subcommand].get("model"))
 
     def instantiate_classes(self) -> None:
         super().instantiate_classes()
@@ -274,23 +273,31 @@ class LTICLI(LightningCLI):
             self._say(line)
 
 
+def init_args(section):
+    """A config section's own arguments: its `init_args` when it names its class (`{class_path, init_args}`,
+    subclass mode), else the section itself; None when there is none. A parsed section (a jsonargparse
+    Namespace) is returned itself, not a copy: what is written into it changes the parsed config."""
+    if section is None or "class_path" not in section:
+        return section
+    return section.get("init_args", section)
+
+
 def record_configs(model: LightningModule, data: LightningDataModule, config) -> None:
     """Give the DataModule's threat model and the module's inverter the config they were built from, so that
     checkpoints store both by content (`ThreatModel.to_dict`, `inverter_record`) and an inverter loads from
     its checkpoint alone (`lti.audit.attacks.LearnedInverter.from_checkpoint`)."""
-    def init_args(section):
+    def plain(section) -> dict:
         if section is None:
             return {}
-        section = section.as_dict() if hasattr(section, "as_dict") else dict(section)
-        return section.get("init_args", section) if "class_path" in section else section
+        return section.as_dict() if hasattr(section, "as_dict") else dict(section)
 
     threat_model = getattr(data, "threat_model", None)
     if threat_model is not None:
-        section = init_args(config.get("data"))
+        section = plain(init_args(config.get("data")))
         threat_model.record_content(section)
         # The rest of the data side (corpus, packing), for files that must name the text they were built from.
         data.recorded_config = section
-    inverter = init_args(config.get("model")).get("inverter")
+    inverter = plain(init_args(config.get("model"))).get("inverter")
     if inverter is not None and hasattr(model, "inverter"):
         record = inverter.as_dict() if hasattr(inverter, "as_dict") else dict(inverter)
         # Plain JSON values only: a checkpoint is loaded with weights_only, which refuses other objects.

@@ -5,7 +5,8 @@ the same candidates each time a block comes round, so the server computes them o
 (`build`) and the pointer trains on them for as many epochs as it likes. A file is safetensors
 (`ids`, `scores`, `coefficients`, `truth`, and with `second_layer` each update's second-layer gradient
 `second_spaces` for the `second_layer` decoding rule) with the threat model in its metadata; it is
-written whole and renamed into place. `load` refuses files of different threat models or candidate counts.
+written whole and renamed into place. `load` refuses files of different threat models or candidate counts;
+files whose threat models are recorded in different versions (`CONTENT_FORMAT`) are compared by config.
 
 A file proves what it holds: its metadata records a SHA-256 digest of every tensor (`checksums`, the
 algorithm of the observation caches' checksums, `datamodules.cache_folder`; per tensor, since the
@@ -40,13 +41,19 @@ FORMAT = "lti-candidates-1"
 CHECKSUM_ALGORITHM = "sha256-128"
 #: Metadata that must agree between the files one run reads.
 SHARED = ("format", "config", "overrides", "count", "seq_len", "coefficient_width", "vocab_size", "hash_spec")
+#: The version of what a file records by content (`threat_model`, `text`). Raise it when a code change alters
+#: that record for an unchanged config (a threat-model class gains a default argument): files of the two
+#: versions are then compared by config and overrides, as files without content are, instead of being
+#: refused as other threat models. A file written before the version existed is of version "0".
+CONTENT_FORMAT = "1"
 
 
 def differing(a: dict, b: dict, keys: Sequence[str] = SHARED) -> list[str]:
     """The metadata `keys` in which two files (or a file and a pointer's training files) differ. Files that both
-    store their threat model by content (`threat_model`) are compared by it, not by the config's path and
-    overrides: an edited config file changes the content, a moved one does not."""
-    by_content = "threat_model" in a and "threat_model" in b
+    store their threat model by content (`threat_model`), in one `content_format`, are compared by it, not by the
+    config's path and overrides: an edited config file changes the content, a moved one does not."""
+    same_format = a.get("content_format", "0") == b.get("content_format", "0")
+    by_content = "threat_model" in a and "threat_model" in b and same_format
     if by_content:  # the threat model and the text the blocks come from (corpus, packing)
         keys = [k for k in keys if k not in ("config", "overrides")] + ["threat_model", "text"]
     return [k for k in keys if a.get(k) != b.get(k)]
@@ -225,6 +232,7 @@ def build(config: str, split: str, out: str | Path, count: int = 32, limit: int 
                 "hash_spec": json.dumps(pipeline.spec.to_dict()),
                 # the whole threat model by content: what the file means does not change with its config file
                 "threat_model": json.dumps(data.threat_model.to_dict(), sort_keys=True),
+                "content_format": CONTENT_FORMAT,
                 "text": json.dumps(_text_of(data), sort_keys=True, default=str)}
     for path, index in zip(paths, torch.arange(len(blocks)).tensor_split(len(paths))):
         path.parent.mkdir(parents=True, exist_ok=True)

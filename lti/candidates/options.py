@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from lti.command_line import Real
+
 #: The decoding rules of `lti.candidates.decoding.DECODERS`, as a type the parser checks.
 Decoder = Literal["argmax", "assign", "lm", "second_layer"]
 
@@ -98,9 +100,9 @@ class FitOptions:
     hidden: int = 256
     layers: int = 4
     heads: int = 4
-    dropout: float = 0.1
-    lr: float = 3e-4
-    weight_decay: float = 0.01
+    dropout: Real = 0.1
+    lr: Real = 3e-4
+    weight_decay: Real = 0.01
     accelerator: str = "cpu"
     precision: str = "32-true"
     seed: int = 0
@@ -145,8 +147,8 @@ class EvaluateOptions:
     tail: int | None = None
     limit: int | None = None
     decode: list[Decoder] = field(default_factory=lambda: ["argmax"])
-    lm_weight: list[float] = field(default_factory=lambda: [0.5])
-    second_weight: list[float] = field(default_factory=lambda: [1.0])
+    lm_weight: list[Real] = field(default_factory=lambda: [0.5])
+    second_weight: list[Real] = field(default_factory=lambda: [1.0])
     beam: int = 8
     out: str | None = None
 

@@ -356,17 +356,33 @@ def test_the_argparse_spellings_still_parse_with_one_deprecation_line(capsys):
     (["fit", "--train", "[a]", "--eval", "[b]", "--out_dir", "o", "--max_stepz", "3"],
      "unknown option 'max_stepz' (did you mean 'max_steps'?); `lti candidates fit --help` lists every option"),
     (["evaluate", "--pointer", "p", "--eval", "[e]", "--decode", "[bogus]"], "bad value for 'decode'"),
-    (["fit", "--train", "[a]", "--eval", "[b]", "--out_dir", "o", "--lr", "nan"], "bad value for 'lr'"),
+    # a learning rate that is not finite and > 0 gets the check's line however it is spelled
+    (["fit", "--train", "[a]", "--eval", "[b]", "--out_dir", "o", "--lr", "nan"], "--lr nan must be finite and > 0"),
+    (["fit", "--train", "[a]", "--eval", "[b]", "--out_dir", "o", "--lr", ".nan"], "--lr nan must be finite and > 0"),
+    (["fit", "--train", "[a]", "--eval", "[b]", "--out_dir", "o", "--lr=-inf"], "--lr -inf must be finite and > 0"),
+    (["fit", "--train", "[a]", "--eval", "[b]", "--out_dir", "o", "--lr", "-1"], "--lr -1.0 must be finite and > 0"),
+    (["fit", "--train", "[a]", "--eval", "[b]", "--out_dir", "o", "--lr", "1e-3x"], "bad value for 'lr': expected float, got 1e-3x"),
+    (["evaluate", "--pointer", "p", "--eval", "[e]", "--lm_weight", "[0.5, NaN]"], "must be finite and >= 0, not nan"),
     (["build", "--config", TINY, "--out", "x", "--overwrite", "maybe"], "option 'overwrite' is a flag"),
     (["evaluate", "--eval", "[e]"], "the following arguments are required: pointer"),
     (["evalute"], "unknown command 'evalute' (did you mean 'evaluate'?)"),
     ([], "name a command: build, fit, evaluate"),
-], ids=["unknown-option", "unknown-rule", "nan", "flag-value", "required", "unknown-command", "no-command"])
+], ids=["unknown-option", "unknown-rule", "lr-nan", "lr-yaml-nan", "lr-minus-inf", "lr-minus-1", "lr-not-a-number",
+        "lm_weight-nan", "flag-value", "required", "unknown-command", "no-command"])
 def test_bad_options_are_one_line_and_exit_2(capsys, argv, message):
     with pytest.raises(SystemExit) as error:
         main(["candidates", *argv])
     (line,) = _stderr_lines(capsys)
     assert error.value.code == 2 and line.startswith("lti candidates: error: ") and message in line, line
+
+
+def test_a_config_files_lr_that_is_not_finite_gets_the_checks_line(tmp_path, capsys):
+    config = tmp_path / "fit.yaml"
+    for value, said in (("nan", "nan"), (".inf", "inf"), ("-1", "-1.0")):
+        config.write_text(f"train: [a]\neval: [b]\nout_dir: o\nlr: {value}\n")
+        with pytest.raises(SystemExit) as error:
+            main(["candidates", "fit", "--config", str(config)])
+        assert error.value.code == 2 and _stderr_lines(capsys) == [f"lti candidates: error: --lr {said} must be finite and > 0"]
 
 
 def test_help_lists_each_commands_options_from_the_dataclasses(capsys):

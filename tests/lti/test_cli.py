@@ -362,6 +362,30 @@ def test_the_checkpoint_line_names_sizes_and_links(tmp_path):
                                               f"`--ckpt_path {tmp_path / 'last.ckpt'}` tests or resumes this run")
 
 
+def test_one_helper_unwraps_class_path_sections_for_the_checkpoints_arguments_and_the_recorded_configs():
+    from types import SimpleNamespace
+
+    from jsonargparse import Namespace
+
+    from lti.trainer_cli import DEFAULT_MODEL, LTICLI, init_args, record_configs
+
+    arguments = Namespace(decoding="argmax", inverter=Namespace(class_path="X", init_args=Namespace(width=4)))
+    parsed = Namespace(class_path=DEFAULT_MODEL, init_args=arguments)
+    assert init_args(parsed) is arguments  # the parsed config itself: the CLI writes evaluation-only choices into it
+    assert init_args({"class_path": "X", "init_args": {"a": 1}}) == {"a": 1}
+    assert init_args({"a": 1}) == {"a": 1} and init_args(None) is None  # no class_path: the section is its arguments
+    cli = SimpleNamespace(config={"test": Namespace(model=parsed)})
+    LTICLI._model_arguments(cli, "test")["decoding"] = "distinct"
+    assert parsed.init_args.decoding == "distinct"
+    assert LTICLI._model_arguments(SimpleNamespace(config={"test": Namespace(model=None)}), "test") is None
+    model, data = SimpleNamespace(inverter=object()), SimpleNamespace(threat_model=SimpleNamespace(record_content=lambda s: None))
+    record_configs(model, data, {"model": parsed, "data": {"class_path": "D", "init_args": {"packing": "blocks"}}})
+    assert data.recorded_config == {"packing": "blocks"}
+    assert model.inverter_record == {"class_path": "X", "init_args": {"width": 4}}
+    record_configs(model, data, {"model": {"inverter": {"class_path": "Y"}}, "data": None})  # sections without class_path
+    assert data.recorded_config == {} and model.inverter_record == {"class_path": "Y"}
+
+
 @pytest.mark.parametrize("defense", sorted(p.name for p in (REPO / "configs" / "defenses").glob("*.yaml")))
 @pytest.mark.parametrize("base", ["configs/quickstart.yaml", "configs/vision/lti_digits.yaml"])
 def test_one_defense_overlay_applies_to_text_and_vision(base, defense, capsys):

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from lti.candidates.evidence_file import build, checksums, load
+from lti.candidates.evidence_file import CONTENT_FORMAT, build, checksums, load
 from lti.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -208,3 +208,42 @@ def test_files_record_their_threat_model_by_content_and_are_compared_by_it(evide
     assert json.loads(_contents(tmp_path / "other_text.safetensors")[1]["threat_model"]) == json.loads(metadata["threat_model"])
     with pytest.raises(ValueError, match="differ in text"):
         load([evidence, tmp_path / "other_text.safetensors"])
+
+
+def _edit_metadata(path: Path, change) -> None:
+    """The file rewritten with `change(metadata)` applied; its tensors, and so its checksums, unchanged."""
+    tensors, metadata = _contents(path)
+    change(metadata)
+    save_file(tensors, str(path), metadata=metadata)
+
+
+def test_files_of_another_content_format_are_compared_by_config_and_of_one_format_by_content(evidence, copy, tmp_path):
+    """A threat-model class that gains a default argument changes what a file records by content for an unchanged
+    config: an older file (no `content_format`) of the same config still loads with a new one; files of one
+    format are still compared by content."""
+    _, metadata = _contents(evidence)
+    assert metadata["content_format"] == CONTENT_FORMAT
+
+    def older(metadata: dict) -> None:  # written before the version existed, and before `gguf_file` was an argument
+        del metadata["content_format"]
+        content = json.loads(metadata["threat_model"])
+        del content["target"]["init_args"]["gguf_file"]
+        metadata["threat_model"] = json.dumps(content, sort_keys=True)
+
+    _edit_metadata(copy, older)
+    assert len(load([evidence, copy])) == len(load([copy, evidence])) == 2 * BLOCKS
+    # compared as files without content are: by the config and overrides they were built from
+    _edit_metadata(copy, lambda metadata: metadata.update(config=str(tmp_path / "other.yaml")))
+    with pytest.raises(ValueError, match="differ in config: "):
+        load([evidence, copy])
+
+    def other_rank(metadata: dict) -> None:
+        content = json.loads(metadata["threat_model"])
+        content["client"]["init_args"]["rank"] = 4
+        metadata["threat_model"] = json.dumps(content, sort_keys=True)
+
+    same_format = tmp_path / "rank4.safetensors"
+    same_format.write_bytes(evidence.read_bytes())
+    _edit_metadata(same_format, other_rank)
+    with pytest.raises(ValueError, match="differ in threat_model: "):
+        load([evidence, same_format])
