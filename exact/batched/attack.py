@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from exact.batched.bag import somp
+from exact.batched.bag import pick_budget, somp
 from exact.batched.search import SpanScorer, grow_sequences, likeliest_labels, refine_sequences
 from exact.batched.sites import adapter_sites
 from exact.batched.whitening import SiteWhitening, vocabulary_inputs
@@ -34,13 +34,17 @@ class BatchedOptions(OptionGroup):
     """The batched LoRA attack (bag recovery and the all-site span search).
 
     Args:
-        picks_per_sequence: Bag recovery stops after B times this many tokens at most.
+        picks_per_sequence: Bag recovery stops after B times this many tokens at most (None: the sequence length L,
+            as many as a sequence has tokens; a sequence of L tokens has L - 1 visible ones).
         tolerance: ...or once the residual energy of the first site's rows falls below this fraction.
         lm_weight: Weight of the global model's next-token log-probability in the search.
         beam: Prefixes kept per sequence.
         refine: Passes of refinement at most: every sequence grown again with the others' inputs known. With the
             server's simulation (the audit), a refined sequence is kept only if it lowers the refit residual, and
             the first pass that keeps none ends them.
+        refine_beam: Prefixes kept per sequence in refinement (None: `beam`). With the other sequences' inputs known,
+            the span test is nearly a membership test, so a narrower beam may keep what a wide one finds.
+        refine_shortlist: Extensions per sequence scored by every site in refinement (None: `shortlist`).
         screen_sites: Every extension is first scored by this many sites alone (the forward pass stops there)...
         shortlist: ...and only this many per sequence run through every site (0 with either: every extension
             through every site).
@@ -52,18 +56,24 @@ class BatchedOptions(OptionGroup):
             B = 4 result is nearly right, above it an early commitment went wrong).
     """
 
-    picks_per_sequence: int = 16
+    picks_per_sequence: int | None = None
     tolerance: float = 1e-6
     lm_weight: float = 0.5
     beam: int = 4
     label_candidates: int = 16
     refine: int = 2
+    refine_beam: int | None = None
+    refine_shortlist: int | None = None
     screen_sites: int = 8
     shortlist: int = 64
     second_opinion_above: float = 0.3
 
+    def pick_budget(self, batch_size: int, length: int) -> int:
+        """Bag recovery's largest number of picks for B sequences of `length` tokens."""
+        return pick_budget(batch_size, length, self.picks_per_sequence)
+
     def _check(self) -> None:
-        if self.picks_per_sequence < 1:
+        if self.picks_per_sequence is not None and self.picks_per_sequence < 1:
             raise ValueError(f"picks_per_sequence={self.picks_per_sequence} must be >= 1")
         if not (0 < self.tolerance < 1):
             raise ValueError(f"tolerance={self.tolerance} must be in (0, 1)")
@@ -73,6 +83,10 @@ class BatchedOptions(OptionGroup):
             raise ValueError(f"beam={self.beam} must be >= 1")
         if self.refine < 0:
             raise ValueError(f"refine={self.refine} must be >= 0")
+        if self.refine_beam is not None and self.refine_beam < 1:
+            raise ValueError(f"refine_beam={self.refine_beam} must be >= 1 (or null: beam)")
+        if self.refine_shortlist is not None and self.refine_shortlist < 0:
+            raise ValueError(f"refine_shortlist={self.refine_shortlist} must be >= 0 (or null: shortlist)")
         if self.screen_sites < 0 or self.shortlist < 0:
             raise ValueError(f"screen_sites={self.screen_sites} and shortlist={self.shortlist} must be >= 0")
         if self.label_candidates < 1:
@@ -89,6 +103,9 @@ class BatchedResult:
     residual: float | None = None  #: the least-squares check's relative residual (None: not checked)
     coefficients: list[float] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)  #: each phase's wall time (bag, search, refine, check)
+    #: Sequences each refinement pass kept (with the server's simulation; the last pass ran is the first to keep none
+    #: unless the passes ran out).
+    kept_per_pass: list[int] = field(default_factory=list)
     #: None: no second search; else whether the second scorer's result was kept.
     second_opinion: bool | None = None
     #: The search's result not kept, when a second search ran (for measurements of the choice).
@@ -120,6 +137,13 @@ class BatchedLoRA:
     def _screen(self) -> dict[str, int]:
         return {"screen_sites": self.options.screen_sites, "shortlist": self.options.shortlist}
 
+    @property
+    def _refinement(self) -> dict[str, int]:
+        """The beam and screen of refinement passes."""
+        o = self.options
+        return {"beam": o.beam if o.refine_beam is None else o.refine_beam, "screen_sites": o.screen_sites,
+                "shortlist": o.shortlist if o.refine_shortlist is None else o.refine_shortlist}
+
     @torch.no_grad()
     def attack(self, update: dict[str, Tensor], batch_size: int, length: int,
                simulate: Callable[[list[list[int]]], Tensor] | None = None, flat: Tensor | None = None) -> BatchedResult:
@@ -144,7 +168,7 @@ class BatchedLoRA:
         clock = _Clock()
         rows = [site.rows(update).double() for site in self.sites]
         bag = somp(rows[0] @ self.whitening.vocabulary, self.dictionary,
-                   self.options.picks_per_sequence * batch_size, self.options.tolerance).tokens
+                   self.options.pick_budget(batch_size, length), self.options.tolerance).tokens
         clock.lap("bag")
         if not bag:
             return BatchedResult([[0] * length for _ in range(batch_size)], [[0.0] * length] * batch_size, [],
@@ -163,9 +187,10 @@ class BatchedLoRA:
         passes = self.options.refine if batch_size > 1 else 0
         current = simulate(sequences) if checked and passes else None
         residual = least_squares_check(flat, current)[0] if current is not None else None
+        kept_per_pass: list[int] = []
         for _ in range(passes):
             refined = refine_sequences(self.target, self.sites, scorer, bag, sequences, lm_weight,
-                                       self.options.beam, **self._screen)
+                                       **self._refinement)
             refined_labels = likeliest_labels(self.target, refined, self.options.label_candidates)
             for sequence, label in zip(refined, refined_labels):
                 sequence[-1] = label[0]
@@ -184,10 +209,11 @@ class BatchedLoRA:
                     sequences[i], current, residual, kept = refined[i], trial, after, kept + 1
                     if labels:
                         labels[i] = refined_labels[i]
+            kept_per_pass.append(kept)
             if not kept:
                 break
         clock.lap("refine")
-        result = BatchedResult(sequences, margins, bag, seconds=clock.seconds)
+        result = BatchedResult(sequences, margins, bag, seconds=clock.seconds, kept_per_pass=kept_per_pass)
         if checked:
             # `current` (when refinement ran) already holds the simulated updates of `sequences`.
             current = simulate(sequences) if current is None else current

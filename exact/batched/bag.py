@@ -30,6 +30,13 @@ class Bag:
     residuals: list[float]
 
 
+def pick_budget(batch_size: int, length: int, per_sequence: int | None = None) -> int:
+    """Bag recovery's budget for B sequences of `length` tokens: `per_sequence` picks per sequence (None: `length`,
+    one per token: a sequence has `length` - 1 visible tokens, so the budget covers every distinct one with room
+    for a few wrong picks; a fixed budget leaves a long sequence's bag partly unfound)."""
+    return batch_size * (length if per_sequence is None else per_sequence)
+
+
 def somp(rows: Tensor, dictionary: Tensor, max_picks: int, tolerance: float = 1e-6) -> Bag:
     """Simultaneous OMP of `rows` (k, d) over the atoms `dictionary` (V, d), both already whitened.
 

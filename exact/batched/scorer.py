@@ -162,11 +162,12 @@ def describe(weights: ScorerWeights) -> str:
 
 
 def fit_scorer(target: nn.Module, sites: list[Site], whitening, observe, blocks: Tensor, batch_size: int,
-               updates: int, start: ScorerWeights, picks_per_sequence: int = 16, say=print) -> ScorerWeights:
+               updates: int, start: ScorerWeights, picks_per_sequence: int | None = None, say=print) -> ScorerWeights:
     """The learned scorer fitted on `updates` updates the server simulates of its own `blocks` (N, L), B of
     them per update, taken in order: `observe(ids)` returns the {name: gradient} the server would read of a
-    client sending the update of `ids` (B, L). Raises ValueError when the blocks hold fewer than one update."""
-    from exact.batched.bag import somp
+    client sending the update of `ids` (B, L); bag recovery's budget is `exact.batched.bag.pick_budget`'s.
+    Raises ValueError when the blocks hold fewer than one update."""
+    from exact.batched.bag import pick_budget, somp
     from exact.batched.whitening import vocabulary_inputs
 
     updates = min(updates, blocks.shape[0] // batch_size)
@@ -178,7 +179,8 @@ def fit_scorer(target: nn.Module, sites: list[Site], whitening, observe, blocks:
         ids = blocks[k * batch_size : (k + 1) * batch_size]
         split = observe(ids)
         rows = [site.rows(split).double() for site in sites]
-        bag = somp(rows[0] @ whitening.vocabulary, dictionary, picks_per_sequence * batch_size).tokens
+        bag = somp(rows[0] @ whitening.vocabulary, dictionary,
+                   pick_budget(batch_size, blocks.shape[1], picks_per_sequence)).tokens
         examples += extension_examples(target, sites, SpanScorer(rows, whitening.sites), bag, ids)
         say(f"learned scorer: simulated update {k + 1}/{updates}, {len(examples)} extensions")
     return fit_weights(examples, start)

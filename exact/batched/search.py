@@ -243,6 +243,16 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
                 return joined([others[i], prefix_inputs[i]])
             return joined(prefix_inputs)
 
+        start_bases: dict[int, list[tuple[Tensor, Tensor]]] = {}
+
+        def bases_at_start(i: int) -> list[tuple[Tensor, Tensor]]:
+            """`scorer.bases(known_at_start(i))`, computed once per position and sequence (the screen and the full
+            pass deflate by the same inputs; growing jointly, every sequence starts from the same ones)."""
+            key = i if others is not None else 0
+            if key not in start_bases:
+                start_bases[key] = scorer.bases(known_at_start(i))
+            return start_bases[key]
+
         rows = torch.arange(len(flat), device=device).repeat_interleave(len(bag))
         tokens = candidates.repeat(len(flat))
         owner = torch.tensor(owners, device=device)[rows]
@@ -252,13 +262,11 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
             screen = range(screen_sites)
             early_inputs = run.extend(rows, tokens, screen_sites)
             keep = []
-            shared = scorer.bases(known_at_start(0)) if others is None else None
             for i in range(batch_size):
                 mine = (owner == i).nonzero()[:, 0]
                 # The screen weighs its sites alike whatever the scorer's weights: it is there to keep the true
                 # extension (a learned scorer may lean on later sites and leave the first ones little weight).
-                bases = shared if shared is not None else scorer.bases(known_at_start(i))
-                early = scorer.terms([h[mine] for h in early_inputs], bases, screen).sum(1)
+                early = scorer.terms([h[mine] for h in early_inputs], bases_at_start(i), screen).sum(1)
                 total = cumulative[mine] + prior[mine] + early
                 keep.append(mine[total.topk(min(shortlist, mine.numel())).indices])
             kept = torch.cat(keep)
@@ -271,7 +279,9 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
             # Joint: the inputs the sequences before this one chose at p are known too, so two sequences do not
             # both take the direction one true input explains.
             mine = (owner == i).nonzero()[:, 0]
-            step = scorer.score([h[mine] for h in inputs], scorer.bases(known if others is None else known_at_start(i)))
+            first_of_position = others is not None or i == 0  # else the sequences before this one chose inputs at p
+            bases = bases_at_start(i) if first_of_position else scorer.bases(known)
+            step = scorer.score([h[mine] for h in inputs], bases)
             total = cumulative[mine] + step + prior[mine]
             keep_i = total.topk(min(beam, total.numel())).indices
             beams[i] = [(flat[int(rows[mine[k]])][0] + [int(tokens[mine[k]])], float(total[k])) for k in keep_i]

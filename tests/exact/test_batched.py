@@ -132,6 +132,28 @@ def test_whitened_somp_finds_the_brute_force_support_of_a_tiny_lora_update():
     assert sorted(brute_force_support(rows, dictionary, len(visible), visible + others)) == visible
 
 
+def test_the_bag_budget_grows_with_the_sequence_length_so_a_long_batch_is_found_whole():
+    """A fixed budget of picks per sequence leaves a long sequence's bag partly unfound; the default (one pick per
+    token) covers every distinct visible token."""
+    from exact.batched import BatchedOptions
+
+    batch, length = 2, 12
+    pipe = pipeline(batch)
+    ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(4))[: batch * length].reshape(batch, length)
+    update = update_of(pipe, ids)
+    sites = adapter_sites(list(pipe.names))
+    x0 = vocabulary_inputs(pipe.target)
+    w = inverse_sqrt(x0.T @ x0 / x0.shape[0])
+    visible = set(ids[:, :-1].flatten().tolist())  # 22 distinct tokens
+    assert BatchedOptions().pick_budget(batch, length) == batch * length
+    found = {}
+    for per_sequence in (None, 6):
+        budget = BatchedOptions(picks_per_sequence=per_sequence).pick_budget(batch, length)
+        found[per_sequence] = set(somp(sites[0].rows(update) @ w, x0 @ w, budget, tolerance=1e-8).tokens)
+    assert found[None] >= visible
+    assert len(found[6] & visible) <= 12 < len(visible)
+
+
 def test_the_whitening_cache_is_reused_and_refuses_another_model(tmp_path):
     pipe = pipeline(1)
     sites = adapter_sites(list(pipe.names))
@@ -333,6 +355,7 @@ def test_a_refinement_pass_is_kept_only_when_it_lowers_the_refit_residual(monkey
     # nothing does not lower the residual, so it is the last.
     assert sorted(s[:-1] for s in result.sequences) == sorted(s[:-1] for s in ids.tolist())
     assert calls in (["truth"], ["truth", "truth"])
+    assert result.kept_per_pass[-1] == 0 and len(result.kept_per_pass) == len(calls)
 
 
 def test_refinement_regrows_a_wrong_sequence_against_the_others_inputs():
@@ -345,6 +368,56 @@ def test_refinement_regrows_a_wrong_sequence_against_the_others_inputs():
     refined = refine_sequences(pipe.target, sites, scorer, bag, wrong, beam=2)
     assert refined[0][:-1] == ids[0, :-1].tolist()
     assert [s[-1] for s in refined] == [s[-1] for s in wrong]  # the labels stay the refit's
+
+
+def test_refinement_deflates_once_per_sequence_and_position_and_finds_what_it_found_before(monkeypatch):
+    """The screen and the full pass share each sequence's deflation; growing jointly, the first sequence of a
+    position shares it too. Counted, and the result is the one the uncached search gives (a recompute per call)."""
+    from exact.batched.search import refine_sequences
+
+    t = tiny_batch(14)
+    pipe, ids, sites, bag, scorer = t.pipe, t.ids, t.sites, t.bag, t.scorer
+    wrong = ids.tolist()
+    wrong[0][2] = next(t for t in bag if t != wrong[0][2])
+    calls = []
+    original = SpanScorer.bases
+
+    def counted(self, known):
+        calls.append(None if known is None else known[0].shape[0])
+        return original(self, known)
+
+    monkeypatch.setattr(SpanScorer, "bases", counted)
+    screened = refine_sequences(pipe.target, sites, scorer, bag, wrong, beam=2, screen_sites=1, shortlist=len(bag))
+    # Positions 1..L-2 (the last is a label) for each of the 2 sequences, once each; position 0 once per sequence.
+    assert len(calls) == 2 * (5 - 2) + 2
+    calls.clear()
+    joint, _ = grow_sequences(pipe.target, sites, scorer, bag, 2, 5, beam=2, screen_sites=1, shortlist=len(bag))
+    # Jointly: position 0 deflates for each sequence; later positions once at the start and once for sequence 1.
+    assert len(calls) == 2 + 2 * (5 - 2)
+    monkeypatch.undo()
+    unscreened = refine_sequences(pipe.target, sites, scorer, bag, wrong, beam=2)
+    assert screened == unscreened and screened[0][:-1] == ids[0, :-1].tolist()
+
+
+def test_refinement_takes_its_own_beam_and_shortlist(monkeypatch):
+    import exact.batched.attack as attack_module
+    from exact.batched import BatchedLoRA, BatchedOptions
+
+    pipe, ids, update, flat, simulate, sites, whitening = checked_batch(13)
+    seen = []
+
+    def recorded(target, sites, scorer, bag, sequences, lm_weight=0.0, beam=1, screen_sites=0, shortlist=0):
+        seen.append((beam, screen_sites, shortlist))
+        return [list(s) for s in sequences]
+
+    monkeypatch.setattr(attack_module, "refine_sequences", recorded)
+    for options, want in [(dict(), (3, 1, 7)), (dict(refine_beam=1, refine_shortlist=2), (1, 1, 2))]:
+        seen.clear()
+        BatchedLoRA(pipe.target, list(pipe.names), whitening, BatchedOptions(
+            refine=1, beam=3, screen_sites=1, shortlist=7, label_candidates=1, **options)).attack(update, 2, 5)
+        assert seen == [want]
+    with pytest.raises(ValueError, match="refine_beam=0 must be >= 1"):
+        BatchedOptions(refine_beam=0)
 
 
 def test_a_doubted_result_is_searched_again_with_the_second_scorer_and_the_lower_residual_kept(monkeypatch):

@@ -117,7 +117,7 @@ def result_row(found, ids: torch.Tensor, decode, seconds: float) -> dict:
            "token_acc": scores["correct"] / scores["tokens"], "rouge1": scores["rouge1"], "rouge2": scores["rouge2"],
            "exact": scores["exact_fraction"], "seconds": seconds, "residual": found.residual,
            "certified": found.certified, "phase_seconds": {k: round(v, 2) for k, v in found.seconds.items()},
-           "second_opinion": found.second_opinion}
+           "second_opinion": found.second_opinion, "kept_per_pass": found.kept_per_pass}
     if found.other is not None:  # what the choice between the two searches gained or lost
         other = score_batch(found.other.sequences, ids, None, decode)
         row["other_token_acc"] = other["correct"] / other["tokens"]
@@ -144,9 +144,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--set", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),
                         help="an override of the threat model config, as lti fit takes it "
                              "(e.g. --set data.client.init_args.rank 16, --set data.seq_len 32)")
+    parser.add_argument("--picks-per-sequence", type=int, default=BatchedOptions.picks_per_sequence,
+                        help="bag recovery's budget per sequence (default: the sequence length)")
     parser.add_argument("--lm-weight", type=float, default=0.5)
     parser.add_argument("--beam", type=int, default=4)
     parser.add_argument("--refine", type=int, default=BatchedOptions.refine, help="passes of refinement at most")
+    parser.add_argument("--refine-beam", type=int, default=BatchedOptions.refine_beam,
+                        help="prefixes kept per sequence in refinement (default: --beam)")
+    parser.add_argument("--refine-shortlist", type=int, default=BatchedOptions.refine_shortlist,
+                        help="extensions per sequence scored by every site in refinement (default: --shortlist)")
     parser.add_argument("--label-candidates", type=int, default=16,
                         help="last tokens chosen by the least-squares refit among the LM's top k (0: no refit)")
     parser.add_argument("--screen-sites", type=int, default=BatchedOptions.screen_sites,
@@ -175,8 +181,9 @@ def main(argv: list[str] | None = None) -> None:
     weights = None
     if args.scorer:
         weights = ScorerWeights.load(args.scorer, bench.fingerprint, len(bench.sites))
-    options = BatchedOptions(lm_weight=weights.lm if weights else args.lm_weight, beam=args.beam,
+    options = BatchedOptions(picks_per_sequence=args.picks_per_sequence, lm_weight=weights.lm if weights else args.lm_weight, beam=args.beam,
                              label_candidates=max(1, args.label_candidates), refine=args.refine,
+                             refine_beam=args.refine_beam, refine_shortlist=args.refine_shortlist,
                              screen_sites=args.screen_sites, shortlist=args.shortlist,
                              second_opinion_above=args.second_opinion_above)
     second = None
@@ -200,8 +207,10 @@ def main(argv: list[str] | None = None) -> None:
                                       update)
                 seconds = time.perf_counter() - began
                 row = {"B": batch, "L": ids.shape[1], "update": k, "split": args.split, "lm_weight": args.lm_weight,
-                       "beam": args.beam, **result_row(found, ids, decode, seconds),
+                       "beam": args.beam, "pick_budget": options.pick_budget(batch, ids.shape[1]),
+                       **result_row(found, ids, decode, seconds),
                        "label_candidates": args.label_candidates, "refine": args.refine,
+                       "refine_beam": options.refine_beam, "refine_shortlist": options.refine_shortlist,
                        "screen_sites": args.screen_sites, "shortlist": args.shortlist, "scorer": args.scorer,
                        "clip_norm": args.clip_norm, "local_epochs": args.local_epochs,
                        "local_dp_epsilon": args.local_dp_epsilon,

@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--lm-weight", type=float, default=0.5, help="the hand-set prior weight (the start)")
     parser.add_argument("--l2", type=float, default=1e-2)
-    parser.add_argument("--picks-per-sequence", type=int, default=16)
+    parser.add_argument("--picks-per-sequence", type=int, default=None,
+                        help="bag recovery's picks per sequence (default: the sequence length)")
     parser.add_argument("--whitening-blocks", type=int, default=512)
     parser.add_argument("--whitening-cache", default="runs/whitening/smollm2_lora.safetensors")
     parser.add_argument("--out", required=True, help="the weights (.safetensors); a .json summary goes beside")
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     if Path(args.out).exists() and not args.overwrite:
         raise SystemExit(f"{args.out} exists (an earlier fit); choose another --out or pass --overwrite")
 
-    from exact.batched.bag import somp
+    from exact.batched.bag import pick_budget, somp
     from exact.batched.scorer import ScorerWeights, accuracy_at_one, describe, extension_examples, fit_weights
     from exact.batched.search import SpanScorer
     from exact.batched.whitening import vocabulary_inputs
@@ -57,7 +58,8 @@ def main(argv: list[str] | None = None) -> None:
             ids = blocks[torch.randperm(blocks.shape[0], generator=generator)[:batch]]
             _, split = bench.observed(ids, args.lr)
             rows = [site.rows(split).double() for site in bench.sites]
-            bag = somp(rows[0] @ bench.whitening.vocabulary, dictionary, args.picks_per_sequence * batch).tokens
+            bag = somp(rows[0] @ bench.whitening.vocabulary, dictionary,
+                       pick_budget(batch, ids.shape[1], args.picks_per_sequence)).tokens
             scorer = SpanScorer(rows, bench.whitening.sites)
             out += extension_examples(bench.target, bench.sites, scorer, bag, ids)
             print(f"B={batch} update {k + 1}/{count}: {len(out)} examples", flush=True)
