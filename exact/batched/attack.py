@@ -20,8 +20,8 @@ import torch
 from torch import Tensor, nn
 
 from exact.batched.bag import pick_budget, somp
-from exact.batched.search import SpanScorer, grow_sequences, likeliest_labels, refine_sequences
-from exact.batched.sites import adapter_sites
+from exact.batched.search import SpanScorer, _decoder, grow_sequences, likeliest_labels, refine_sequences
+from exact.batched.sites import adapter_sites, capture_site_inputs
 from exact.batched.whitening import SiteWhitening, vocabulary_inputs
 from exact.option_group import OptionGroup
 
@@ -42,6 +42,11 @@ class BatchedOptions(OptionGroup):
         refine: Passes of refinement at most: every sequence grown again with the others' inputs known. With the
             server's simulation (the audit), a refined sequence is kept only if it lowers the refit residual, and
             the first pass that keeps none ends them.
+        regrow: Attempts at most, after refinement (with the server's simulation, B >= 3): the sequences the refit
+            explains least (half the batch, at least 2) grown again jointly with the others' inputs known, kept if
+            the refit residual falls, then refined again. Refinement regrows one sequence against all the others, so
+            a batch with two wrong sequences misleads both regrowths; grown together, the doubtful ones are a
+            smaller batch.
         refine_beam: Prefixes kept per sequence in refinement (None: `beam`). With the other sequences' inputs known,
             the span test is nearly a membership test, so a narrower beam may keep what a wide one finds.
         refine_shortlist: Extensions per sequence scored by every site in refinement (None: `shortlist`).
@@ -64,6 +69,7 @@ class BatchedOptions(OptionGroup):
     refine: int = 2
     refine_beam: int | None = None
     refine_shortlist: int | None = None
+    regrow: int = 1
     screen_sites: int = 8
     shortlist: int = 64
     second_opinion_above: float = 0.3
@@ -83,6 +89,8 @@ class BatchedOptions(OptionGroup):
             raise ValueError(f"beam={self.beam} must be >= 1")
         if self.refine < 0:
             raise ValueError(f"refine={self.refine} must be >= 0")
+        if self.regrow < 0:
+            raise ValueError(f"regrow={self.regrow} must be >= 0")
         if self.refine_beam is not None and self.refine_beam < 1:
             raise ValueError(f"refine_beam={self.refine_beam} must be >= 1 (or null: beam)")
         if self.refine_shortlist is not None and self.refine_shortlist < 0:
@@ -106,6 +114,8 @@ class BatchedResult:
     #: Sequences each refinement pass kept (with the server's simulation; the last pass ran is the first to keep none
     #: unless the passes ran out).
     kept_per_pass: list[int] = field(default_factory=list)
+    #: Each regrowth attempt: (the sequences grown again, whether kept).
+    regrown: list[tuple[list[int], bool]] = field(default_factory=list)
     #: None: no second search; else whether the second scorer's result was kept.
     second_opinion: bool | None = None
     #: The search's result not kept, when a second search ran (for measurements of the choice).
@@ -185,35 +195,23 @@ class BatchedLoRA:
         # keeps none. Without it, every pass is kept.
         checked = simulate is not None and flat is not None
         passes = self.options.refine if batch_size > 1 else 0
-        current = simulate(sequences) if checked and passes else None
-        residual = least_squares_check(flat, current)[0] if current is not None else None
+        attempts = self.options.regrow if checked and batch_size > 2 else 0
+        state = _Refit(sequences, labels, simulate(sequences) if checked and (passes or attempts) else None, flat)
         kept_per_pass: list[int] = []
-        for _ in range(passes):
-            refined = refine_sequences(self.target, self.sites, scorer, bag, sequences, lm_weight,
-                                       **self._refinement)
-            refined_labels = likeliest_labels(self.target, refined, self.options.label_candidates)
-            for sequence, label in zip(refined, refined_labels):
-                sequence[-1] = label[0]
-            if current is None:
-                sequences, labels = refined, refined_labels
-                continue
-            trials = simulate(refined)
-            kept = 0
-            for i in range(batch_size):
-                if refined[i] == sequences[i]:
-                    continue
-                trial = current.clone()
-                trial[i] = trials[i]
-                after = least_squares_check(flat, trial)[0]
-                if after < residual:
-                    sequences[i], current, residual, kept = refined[i], trial, after, kept + 1
-                    if labels:
-                        labels[i] = refined_labels[i]
-            kept_per_pass.append(kept)
+        regrown: list[tuple[list[int], bool]] = []
+        for attempt in range(attempts + 1):
+            kept_per_pass += self._refine(state, scorer, bag, lm_weight, passes, simulate)
+            clock.lap("refine")
+            if attempt == attempts:
+                break
+            doubtful, kept = self._regrow(state, scorer, bag, length, lm_weight, simulate)
+            regrown.append((doubtful, kept))
+            clock.lap("regrow")
             if not kept:
                 break
-        clock.lap("refine")
-        result = BatchedResult(sequences, margins, bag, seconds=clock.seconds, kept_per_pass=kept_per_pass)
+        sequences, labels, current = state.sequences, state.labels, state.current
+        result = BatchedResult(sequences, margins, bag, seconds=clock.seconds, kept_per_pass=kept_per_pass,
+                               regrown=regrown)
         if checked:
             # `current` (when refinement ran) already holds the simulated updates of `sequences`.
             current = simulate(sequences) if current is None else current
@@ -223,6 +221,83 @@ class BatchedLoRA:
             result.residual, result.coefficients = least_squares_check(flat, current)
             clock.lap("check")
         return result
+
+    def _refine(self, state: _Refit, scorer: SpanScorer, bag: list[int], lm_weight: float, passes: int,
+                simulate: Callable[[list[list[int]]], Tensor] | None) -> list[int]:
+        """Refinement passes on `state` (changed in place); returns the sequences each pass kept."""
+        kept_per_pass: list[int] = []
+        for _ in range(passes):
+            refined = refine_sequences(self.target, self.sites, scorer, bag, state.sequences, lm_weight,
+                                       **self._refinement)
+            refined_labels = likeliest_labels(self.target, refined, self.options.label_candidates)
+            for sequence, label in zip(refined, refined_labels):
+                sequence[-1] = label[0]
+            if state.current is None:
+                state.sequences, state.labels = refined, refined_labels
+                continue
+            trials = simulate(refined)
+            kept = 0
+            for i in range(len(refined)):
+                if refined[i] == state.sequences[i]:
+                    continue
+                if state.replace({i: refined[i]}, trials[i : i + 1], {i: refined_labels[i]}):
+                    kept += 1
+            kept_per_pass.append(kept)
+            if not kept:
+                break
+        return kept_per_pass
+
+    def _regrow(self, state: _Refit, scorer: SpanScorer, bag: list[int], length: int, lm_weight: float,
+                simulate: Callable[[list[list[int]]], Tensor]) -> tuple[list[int], bool]:
+        """The sequences the refit explains least grown again jointly, the others' inputs known; kept (in `state`)
+        if the refit residual falls. Returns (their indices, whether kept)."""
+        batch_size = len(state.sequences)
+        doubtful = state.least_explained(max(2, batch_size // 2))
+        trusted = [state.sequences[i] for i in range(batch_size) if i not in doubtful]
+        _, base, device = _decoder(self.target)
+        ids = torch.tensor([s[:-1] for s in trusted], dtype=torch.long, device=device)
+        inputs = capture_site_inputs(self.target, self.sites, lambda: base(ids))  # (B', L - 1, d) per site
+        fixed = [h.reshape(-1, h.shape[-1]) for h in inputs]
+        labels: list[list[int]] = []
+        grown, _ = grow_sequences(self.target, self.sites, scorer, bag, len(doubtful), length, lm_weight,
+                                  beam=self.options.beam, label_candidates=self.options.label_candidates,
+                                  labels=labels, fixed=fixed, **self._screen)
+        kept = state.replace(dict(zip(doubtful, grown)), simulate(grown), dict(zip(doubtful, labels)))
+        return doubtful, kept
+
+
+class _Refit:
+    """The sequences found so far, their label candidates, their simulated updates (B, D; None without the
+    server's simulation) and the refit residual of the update `flat` by them."""
+
+    def __init__(self, sequences: list[list[int]], labels: list[list[int]], current: Tensor | None,
+                 flat: Tensor | None) -> None:
+        self.sequences, self.labels, self.current, self.flat = sequences, labels, current, flat
+        self.residual = least_squares_check(flat, current)[0] if current is not None else None
+
+    def replace(self, sequences: dict[int, list[int]], simulated: Tensor, labels: dict[int, list[int]]) -> bool:
+        """Sequences `sequences` {index: tokens} (their simulated updates the rows of `simulated`, in order) put in
+        together if that lowers the residual; returns whether they were."""
+        trial = self.current.clone()
+        for row, i in enumerate(sequences):
+            trial[i] = simulated[row]
+        after = least_squares_check(self.flat, trial)[0]
+        if not after < self.residual:
+            return False
+        for i, tokens in sequences.items():
+            self.sequences[i] = tokens
+            if self.labels and i in labels:
+                self.labels[i] = labels[i]
+        self.current, self.residual = trial, after
+        return True
+
+    def least_explained(self, count: int) -> list[int]:
+        """The `count` sequences whose removal from the refit raises the residual least (sorted indices)."""
+        rises = []
+        for i in range(self.current.shape[0]):
+            others = torch.cat([self.current[:i], self.current[i + 1 :]])
+            rises.append(least_squares_check(self.flat, others)[0] - self.residual)
+        return sorted(sorted(range(len(rises)), key=lambda i: rises[i])[:count])
 
 
 class _Clock:

@@ -171,7 +171,7 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
                    length: int, lm_weight: float = 0.0, deflate: bool = True, beam: int = 1,
                    label_candidates: int = 1, labels: list[list[int]] | None = None,
                    others: list[list[Tensor]] | None = None, screen_sites: int = 0,
-                   shortlist: int = 0) -> tuple[list[list[int]], list[list[float]]]:
+                   shortlist: int = 0, fixed: list[Tensor] | None = None) -> tuple[list[list[int]], list[list[float]]]:
     """B sequences of `length` tokens grown over the bag (each token usable any number of times), and each
     chosen token's margin over the runner-up (a confidence; the last token's is its LM log-probability
     margin). `labels`, if given, receives each sequence's `label_candidates` likeliest last tokens.
@@ -179,7 +179,8 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
     Deflation: by default the sequences grow *jointly*: a candidate is scored with every sequence's chosen
     prefix known, and the sequences before it at this position. `others[i]` (inputs (n, d) per site, when
     refining: every other sequence's inputs as last found) makes sequence i grow on its own instead, with
-    those and its own prefix known.
+    those and its own prefix known. `fixed` (inputs (n, d) per site) are known to every sequence growing jointly:
+    the inputs of sequences of the batch already trusted, when the others are grown again together.
 
     `screen_sites`, `shortlist`: when both are set, every extension is first scored by the first
     `screen_sites` sites alone, weighed alike (the forward pass stops there; deflated by the inputs known
@@ -190,6 +191,8 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
     each other); only their scores do, through deflation, so the choices are made sequence by sequence."""
     if others is not None and len(others) != batch_size:
         raise ValueError(f"others holds {len(others)} sequences' inputs for {batch_size} sequences")
+    if others is not None and fixed is not None:
+        raise ValueError("fixed inputs are for sequences growing jointly; with others, put them in others")
     labels = [] if labels is None else labels
     lm, base, device = _decoder(target)
     candidates = torch.tensor(bag, dtype=torch.long, device=device)
@@ -210,7 +213,7 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
         elif others is not None:
             known = others[i]
         else:  # greedy within the position: each first token picked is known when the next is scored
-            known = [f[chosen_rows] for f in first]
+            known = joined(([fixed] if fixed is not None else []) + [[f[chosen_rows] for f in first]])
         scores = scorer.score(first, scorer.bases(known))
         if chosen_rows and deflate and others is None:
             scores[chosen_rows] = -float("inf")
@@ -241,7 +244,7 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
                 return None
             if others is not None:
                 return joined([others[i], prefix_inputs[i]])
-            return joined(prefix_inputs)
+            return joined(([fixed] if fixed is not None else []) + prefix_inputs)
 
         start_bases: dict[int, list[tuple[Tensor, Tensor]]] = {}
 

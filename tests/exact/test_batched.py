@@ -420,6 +420,76 @@ def test_refinement_takes_its_own_beam_and_shortlist(monkeypatch):
         BatchedOptions(refine_beam=0)
 
 
+def checked_batch_of(batch: int, seed: int):
+    """`checked_batch` for B sequences."""
+    pipe = pipeline(batch)
+    ids = torch.randint(0, VOCAB, (batch, 5), generator=torch.Generator().manual_seed(seed))
+    update = update_of(pipe, ids)
+    flat = pipe({"input_ids": ids[None]}, keep_update=True).update[0]
+    single = pipe.with_client(FedSGDClient("eval", 1))
+
+    def simulate(sequences):
+        return single({"input_ids": torch.tensor(sequences)[:, None]}, keep_update=True).update
+
+    sites = adapter_sites(list(pipe.names))
+    whitening = SiteWhitening.fit(pipe.target, sites, torch.randint(0, VOCAB, (32, 5)))
+    return pipe, ids, update, flat, simulate, sites, whitening
+
+
+@pytest.mark.parametrize("seed", [21, 23])
+def test_regrowth_finds_the_two_wrong_sequences_by_the_refit_and_grows_them_again_together(seed):
+    """Two of four sequences carry a wrong input: removing either from the refit raises its residual least, and
+    grown again jointly with the two right ones' inputs known, they come back whole (as a set: a batch has no
+    order) and are kept, as the residual falls."""
+    from exact.batched import BatchedLoRA, BatchedOptions
+    from exact.batched.attack import _Refit
+
+    pipe, ids, update, flat, simulate, sites, whitening = checked_batch_of(4, seed)
+    attack = BatchedLoRA(pipe.target, list(pipe.names), whitening, BatchedOptions(label_candidates=1, beam=2))
+    rows = [site.rows(update).double() for site in attack.sites]
+    bag = somp(rows[0] @ whitening.vocabulary, attack.dictionary, 20, 1e-6).tokens
+    truth = ids.tolist()
+    assert set(ids[:, :-1].flatten().tolist()) <= set(bag)
+    wrong = [list(s) for s in truth]
+    wrong[1][1] = next(t for t in bag if t != truth[1][1])
+    wrong[3][2] = next(t for t in bag if t not in (truth[3][2], wrong[1][1]))
+    state = _Refit([list(s) for s in wrong], [], simulate(wrong), flat)
+    before = state.residual
+    assert state.least_explained(2) == [1, 3]
+    doubtful, kept = attack._regrow(state, SpanScorer(rows, whitening.sites), bag, 5, 0.0, simulate)
+    assert doubtful == [1, 3] and kept and state.residual < before
+    assert sorted(s[:-1] for s in state.sequences) == sorted(s[:-1] for s in truth)
+    assert [state.sequences[i] for i in (0, 2)] == [truth[0], truth[2]]  # the trusted ones untouched
+
+
+def test_regrowth_runs_after_refinement_and_is_recorded_and_refused_without_a_gain(monkeypatch):
+    import exact.batched.attack as attack_module
+    from exact.batched import BatchedLoRA, BatchedOptions
+
+    pipe, ids, update, flat, simulate, sites, whitening = checked_batch_of(4, 21)
+    options = dict(label_candidates=1, beam=2, refine=1)
+    none = BatchedLoRA(pipe.target, list(pipe.names), whitening, BatchedOptions(regrow=0, **options))
+    assert none.attack(update, 4, 5, simulate, flat).regrown == []
+    original = attack_module.grow_sequences
+    grown = []
+
+    def worse(target, sites, scorer, bag, batch_size, *args, **kwargs):
+        sequences, margins = original(target, sites, scorer, bag, batch_size, *args, **kwargs)
+        if kwargs.get("fixed") is None:
+            return sequences, margins
+        grown.append(batch_size)
+        return [[(t + 1) % VOCAB for t in s] for s in sequences], margins  # every regrown sequence wrong
+
+    monkeypatch.setattr(attack_module, "grow_sequences", worse)
+    attack = BatchedLoRA(pipe.target, list(pipe.names), whitening, BatchedOptions(regrow=2, **options))
+    result = attack.attack(update, 4, 5, simulate, flat)
+    # One attempt, refused (the residual rises), so no second; the result is the one without regrowth.
+    assert grown == [2] and len(result.regrown) == 1 and result.regrown[0][1] is False
+    assert result.sequences == none.attack(update, 4, 5, simulate, flat).sequences
+    with pytest.raises(ValueError, match="regrow=-1 must be >= 0"):
+        BatchedOptions(regrow=-1)
+
+
 def test_a_doubted_result_is_searched_again_with_the_second_scorer_and_the_lower_residual_kept(monkeypatch):
     """The first search's sites are silenced (weight 0: the random model's prior alone picks tokens), the second
     opinion weighs every site: searched again where the residual is above the threshold, and the second result,

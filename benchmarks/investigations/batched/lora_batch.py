@@ -117,7 +117,8 @@ def result_row(found, ids: torch.Tensor, decode, seconds: float) -> dict:
            "token_acc": scores["correct"] / scores["tokens"], "rouge1": scores["rouge1"], "rouge2": scores["rouge2"],
            "exact": scores["exact_fraction"], "seconds": seconds, "residual": found.residual,
            "certified": found.certified, "phase_seconds": {k: round(v, 2) for k, v in found.seconds.items()},
-           "second_opinion": found.second_opinion, "kept_per_pass": found.kept_per_pass}
+           "second_opinion": found.second_opinion, "kept_per_pass": found.kept_per_pass,
+           "regrown": [[doubtful, kept] for doubtful, kept in found.regrown]}
     if found.other is not None:  # what the choice between the two searches gained or lost
         other = score_batch(found.other.sequences, ids, None, decode)
         row["other_token_acc"] = other["correct"] / other["tokens"]
@@ -149,6 +150,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lm-weight", type=float, default=0.5)
     parser.add_argument("--beam", type=int, default=4)
     parser.add_argument("--refine", type=int, default=BatchedOptions.refine, help="passes of refinement at most")
+    parser.add_argument("--regrow", type=int, default=BatchedOptions.regrow,
+                        help="attempts at regrowing the sequences the refit explains least, jointly")
     parser.add_argument("--refine-beam", type=int, default=BatchedOptions.refine_beam,
                         help="prefixes kept per sequence in refinement (default: --beam)")
     parser.add_argument("--refine-shortlist", type=int, default=BatchedOptions.refine_shortlist,
@@ -183,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
         weights = ScorerWeights.load(args.scorer, bench.fingerprint, len(bench.sites))
     options = BatchedOptions(picks_per_sequence=args.picks_per_sequence, lm_weight=weights.lm if weights else args.lm_weight, beam=args.beam,
                              label_candidates=max(1, args.label_candidates), refine=args.refine,
-                             refine_beam=args.refine_beam, refine_shortlist=args.refine_shortlist,
+                             refine_beam=args.refine_beam, refine_shortlist=args.refine_shortlist, regrow=args.regrow,
                              screen_sites=args.screen_sites, shortlist=args.shortlist,
                              second_opinion_above=args.second_opinion_above)
     second = None
@@ -211,6 +214,7 @@ def main(argv: list[str] | None = None) -> None:
                        **result_row(found, ids, decode, seconds),
                        "label_candidates": args.label_candidates, "refine": args.refine,
                        "refine_beam": options.refine_beam, "refine_shortlist": options.refine_shortlist,
+                       "regrow": options.regrow,
                        "screen_sites": args.screen_sites, "shortlist": args.shortlist, "scorer": args.scorer,
                        "clip_norm": args.clip_norm, "local_epochs": args.local_epochs,
                        "local_dp_epsilon": args.local_dp_epsilon,
