@@ -488,6 +488,8 @@ def test_regrowth_runs_after_refinement_and_is_recorded_and_refused_without_a_ga
     assert result.sequences == none.attack(update, 4, 5, simulate, flat).sequences
     with pytest.raises(ValueError, match="regrow=-1 must be >= 0"):
         BatchedOptions(regrow=-1)
+    with pytest.raises(ValueError, match="fixed inputs are for sequences growing jointly"):
+        original(pipe.target, attack.sites, None, [1, 2], 2, 5, others=[[], []], fixed=[])
 
 
 def test_a_doubted_result_is_searched_again_with_the_second_scorer_and_the_lower_residual_kept(monkeypatch):
