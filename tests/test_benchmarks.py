@@ -493,3 +493,14 @@ def test_batched_curve_tabulates_means_per_batch_and_draws_the_figure(tmp_path, 
     out = capsys.readouterr().out
     assert out.index("| 1 | 1 |") < out.index("| 4 | 2 | 100.0 | **70.0** | 90.0 | 80.0 | 0.0 | 0 / 2 | 0.100 | 10 |")
     assert (tmp_path / "curve.png").stat().st_size > 1000 and not list(tmp_path.glob(".*"))
+
+
+def test_batched_curve_takes_a_later_files_row_of_the_same_update_in_place_of_the_earlier(tmp_path, capsys):
+    line = {"bag_recall": 1.0, "rouge1": 0.9, "rouge2": 0.8, "exact": 0.0, "seconds": 10.0, "residual": 0.1}
+    earlier, later = tmp_path / "v2.jsonl", tmp_path / "v3.jsonl"
+    earlier.write_text("\n".join(json.dumps({**line, "B": 4, "update": k, "token_acc": acc})
+                                 for k, acc in ((0, 0.5), (1, 0.7))) + "\n")
+    later.write_text(json.dumps({**line, "B": 4, "update": 0, "token_acc": 0.9}) + "\n")
+    module = load_benchmark("tools.batched_curve")
+    module.main([str(earlier), str(later)])
+    assert "| 4 | 2 | 100.0 | **80.0** |" in capsys.readouterr().out

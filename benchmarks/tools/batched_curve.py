@@ -3,7 +3,9 @@ mean per B, from the JSON lines `benchmarks.investigations.batched.lora_batch` w
 docs/audit.md quotes.
 
     python -m benchmarks.tools.batched_curve docs/results/audit/batched/eval_v2.jsonl \
-        --out docs/results/audit/batched/accuracy_vs_batch.png
+        docs/results/audit/batched/eval_v3_regrow.jsonl --out docs/results/audit/batched/accuracy_vs_batch.png
+
+A later file's row replaces an earlier one's of the same B and update.
 """
 
 from __future__ import annotations
@@ -15,13 +17,16 @@ from pathlib import Path
 
 
 def rows_by_batch(paths: list[str]) -> dict[int, list[dict]]:
-    out: dict[int, list[dict]] = {}
+    """Rows per B, in the order read; a row of the same B and update as an earlier one replaces it, so a later
+    file (today's settings on some of the updates) updates the rows of an earlier one."""
+    out: dict[int, dict] = {}
     for path in paths:
-        for line in Path(path).read_text().splitlines():
+        for number, line in enumerate(Path(path).read_text().splitlines()):
             if line.strip():
                 row = json.loads(line)
-                out.setdefault(int(row["B"]), []).append(row)
-    return dict(sorted(out.items()))
+                key = row["update"] if "update" in row else (path, number)
+                out.setdefault(int(row["B"]), {})[key] = row
+    return {batch: list(rows.values()) for batch, rows in sorted(out.items())}
 
 
 def table(by_batch: dict[int, list[dict]]) -> str:
