@@ -312,18 +312,7 @@ def test_site_weights_weigh_the_terms_and_a_wrong_count_is_refused():
 def checked_batch(seed: int):
     """A B = 2 update (L = 5) with what the least-squares check needs: (pipeline, ids, update by name, flat update,
     the server's per-sequence simulation, sites, whitening)."""
-    pipe = pipeline(2)
-    ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(seed))
-    update = update_of(pipe, ids)
-    flat = pipe({"input_ids": ids[None]}, keep_update=True).update[0]
-    single = pipe.with_client(FedSGDClient("eval", 1))
-
-    def simulate(sequences):
-        return single({"input_ids": torch.tensor(sequences)[:, None]}, keep_update=True).update
-
-    sites = adapter_sites(list(pipe.names))
-    whitening = SiteWhitening.fit(pipe.target, sites, torch.randint(0, VOCAB, (32, 5)))
-    return pipe, ids, update, flat, simulate, sites, whitening
+    return checked_batch_of(2, seed)
 
 
 def test_a_refinement_pass_is_kept_only_when_it_lowers_the_refit_residual(monkeypatch):
