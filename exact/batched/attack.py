@@ -20,8 +20,8 @@ import torch
 from torch import Tensor, nn
 
 from exact.batched.bag import pick_budget, somp
-from exact.batched.search import SpanScorer, _decoder, grow_sequences, likeliest_labels, refine_sequences
-from exact.batched.sites import adapter_sites, capture_site_inputs
+from exact.batched.search import SpanScorer, grow_sequences, likeliest_labels, refine_sequences, sequence_inputs
+from exact.batched.sites import adapter_sites
 from exact.batched.whitening import SiteWhitening, vocabulary_inputs
 from exact.option_group import OptionGroup
 
@@ -254,10 +254,7 @@ class BatchedLoRA:
         batch_size = len(state.sequences)
         doubtful = state.least_explained(max(2, batch_size // 2))
         trusted = [state.sequences[i] for i in range(batch_size) if i not in doubtful]
-        _, base, device = _decoder(self.target)
-        ids = torch.tensor([s[:-1] for s in trusted], dtype=torch.long, device=device)
-        inputs = capture_site_inputs(self.target, self.sites, lambda: base(ids))  # (B', L - 1, d) per site
-        fixed = [h.reshape(-1, h.shape[-1]) for h in inputs]
+        fixed = [h.reshape(-1, h.shape[-1]) for h in sequence_inputs(self.target, self.sites, trusted)]
         labels: list[list[int]] = []
         grown, _ = grow_sequences(self.target, self.sites, scorer, bag, len(doubtful), length, lm_weight,
                                   beam=self.options.beam, label_candidates=self.options.label_candidates,

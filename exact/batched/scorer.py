@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from exact.batched.search import Prefixes, SpanScorer
-from exact.batched.sites import Site, capture_site_inputs
+from exact.batched.search import Prefixes, SpanScorer, decoder, sequence_inputs
+from exact.batched.sites import Site
 
 FORMAT = "lti-batched-scorer/1"
 
@@ -95,13 +95,11 @@ def extension_examples(target: nn.Module, sites: list[Site], scorer: SpanScorer,
     and sequence i, every bag token as the extension of i's true prefix, scored with the inputs the search
     would know by then (every sequence's positions before p, the sequences before i at p) deflated. A true
     token missing from the bag gives no example."""
-    from exact.batched.search import _decoder
-
-    _, base, device = _decoder(target)
+    _, _, device = decoder(target)
     ids = ids.to(device)
     candidates = torch.tensor(bag, dtype=torch.long, device=device)
     where = {token: k for k, token in enumerate(bag)}
-    truth_inputs = capture_site_inputs(target, sites, lambda: base(ids[:, :-1]))  # (B, L-1, d) per site
+    truth_inputs = sequence_inputs(target, sites, ids)  # (B, L-1, d) per site
     examples = []
     batch = ids.shape[0]
     rows = torch.arange(batch, device=device).repeat_interleave(len(bag))

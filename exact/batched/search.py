@@ -18,6 +18,8 @@ re-simulates the sequences' gradients and fits the update. Plain PyTorch.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor, nn
 
@@ -50,6 +52,19 @@ def _bases(matrices: Tensor, tolerance: float, references: Tensor | None = None)
     return [left[s][:, keep[s]] for s in range(matrices.shape[0])]
 
 
+@dataclass
+class Known:
+    """The whitened span of the inputs a search knows: an orthonormal basis (d, n_s) per site (a site drops
+    the inputs that duplicate others), and each site's largest singular value, the tolerance's reference."""
+
+    bases: list[Tensor]
+    tops: Tensor  # (S,)
+
+    @staticmethod
+    def empty(dimension: int, sites: int) -> Known:
+        return Known([torch.zeros(dimension, 0, dtype=torch.float64)] * sites, torch.zeros(sites, dtype=torch.float64))
+
+
 class SpanScorer:
     """Every site's whitened span test of one update: `bases(known)` deflates by the known inputs,
     `terms(hidden, bases)` grades candidates' inputs against what is left, site by site, and `score` weighs
@@ -65,22 +80,45 @@ class SpanScorer:
         if self.site_weights.numel() != len(self.rows):
             raise ValueError(f"{self.site_weights.numel()} site weights for {len(self.rows)} sites")
 
-    def bases(self, known: list[Tensor] | None) -> list[tuple[Tensor, Tensor]]:
-        """Per site (known basis (d, n'), deflated row-space basis (d, r')) for known inputs (n, d) per site."""
-        d = self.whitening.shape[-1]
-        if known is None or known[0].shape[0] == 0:
-            ks = [self.whitening.new_zeros(d, 0)] * len(self.rows)
-        else:
-            # One batched SVD over the sites (each site knows as many inputs): the search calls this for every
-            # sequence at every position.
-            z = torch.stack([k.double() for k in known]) @ self.whitening.to(known[0].device)  # (S, n, d)
-            ks = _bases(z.transpose(1, 2), KNOWN_TOLERANCE)
+    def known(self, inputs: list[Tensor] | None, extending: Known | None = None) -> Known:
+        """The whitened span of known inputs (n, d) per site, or of `extending`'s span and these together.
+
+        Extending projects the new inputs out of the span already found (twice: one Gram-Schmidt step loses
+        orthogonality) and takes the basis of what is left, so an SVD costs the new inputs' count, not all the
+        known ones': refinement knows every other sequence's inputs and adds its own prefix position by position.
+        One batched SVD over the sites either way (each site knows as many inputs)."""
+        if inputs is None or inputs[0].shape[0] == 0:
+            return extending if extending is not None else Known.empty(self.whitening.shape[-1], len(self.rows))
+        z = (torch.stack([k.double() for k in inputs]) @ self.whitening.to(inputs[0].device)).transpose(1, 2)
+        if extending is None:
+            left, values, _ = torch.linalg.svd(z, full_matrices=False)  # z: (S, d, n)
+            tops = values[:, 0]
+            keep = (values > KNOWN_TOLERANCE * tops[:, None]) & (tops[:, None] > 0)
+            return Known([left[s][:, keep[s]] for s in range(z.shape[0])], tops)
+        rest = []
+        for k, part in zip(extending.bases, z):
+            part = part - k @ (k.T @ part)
+            rest.append(part - k @ (k.T @ part))
+        # The tolerance's reference: the largest singular value of everything known (bounded below by the span's
+        # and by the new inputs' largest norm), as one SVD of all of them would take it.
+        tops = torch.maximum(extending.tops.to(z), z.norm(dim=1).max(dim=1).values)
+        left, values, _ = torch.linalg.svd(torch.stack(rest), full_matrices=False)
+        keep = (values > KNOWN_TOLERANCE * tops[:, None]) & (tops[:, None] > 0)
+        return Known([torch.cat([k.to(z), left[s][:, keep[s]]], dim=1) for s, k in enumerate(extending.bases)], tops)
+
+    def deflate(self, known: Known) -> list[tuple[Tensor, Tensor]]:
+        """Per site (known basis (d, n'), deflated row-space basis (d, r')): the rows with `known` projected out."""
+        ks = [k.to(rows) for k, rows in zip(known.bases, self.rows)]
         left = [rows.T - k @ (k.T @ rows.T) for k, rows in zip(ks, self.rows)]
         if len({x.shape for x in left}) == 1:
             spans = _bases(torch.stack(left), ROW_SPACE_TOLERANCE, torch.tensor(self.tops, dtype=torch.float64))
         else:
             spans = [_basis(x, ROW_SPACE_TOLERANCE, top) for x, top in zip(left, self.tops)]
         return list(zip(ks, spans))
+
+    def bases(self, known: list[Tensor] | None) -> list[tuple[Tensor, Tensor]]:
+        """Per site (known basis (d, n'), deflated row-space basis (d, r')) for known inputs (n, d) per site."""
+        return self.deflate(self.known(known))
 
     def terms(self, hidden: list[Tensor], bases: list[tuple[Tensor, Tensor]],
               sites: range | None = None) -> Tensor:
@@ -105,7 +143,7 @@ class SpanScorer:
         return self.terms(hidden, bases, sites) @ self.site_weights[sites.start:sites.stop].to(hidden[0].device)
 
 
-def _decoder(target: nn.Module) -> tuple[nn.Module, nn.Module, torch.device]:
+def decoder(target: nn.Module) -> tuple[nn.Module, nn.Module, torch.device]:
     """(the causal LM, its decoder without the vocabulary projection, their device): site inputs need only the
     decoder; the prior needs the LM."""
     lm = getattr(target, "model", target)
@@ -133,7 +171,7 @@ class Prefixes:
 
     def __init__(self, target: nn.Module, sites: list[Site], ids: Tensor) -> None:
         self.target, self.sites = target, sites
-        lm, self.base, _ = _decoder(target)
+        lm, self.base, _ = decoder(target)
         stepped: list = []
         self.inputs = capture_site_inputs(target, sites, lambda: stepped.append(_step(lm, ids)))
         self.logp, self.cache = stepped[0]
@@ -142,7 +180,7 @@ class Prefixes:
     def advance(self, rows: Tensor, tokens: Tensor) -> Prefixes:
         """The prefixes `rows[k]` extended by `tokens[k]`: only the new position runs through the model (from a
         copy of the cache), so a search pays one token per prefix and position, not the whole prefix again."""
-        lm, _, _ = _decoder(self.target)
+        lm, _, _ = decoder(self.target)
         expanded = _reorder(self.cache, rows)
         stepped: list = []
         new = capture_site_inputs(self.target, self.sites, lambda: stepped.append(_step(lm, tokens[:, None], expanded)))
@@ -194,7 +232,7 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
     if others is not None and fixed is not None:
         raise ValueError("fixed inputs are for sequences growing jointly; with others, put them in others")
     labels = [] if labels is None else labels
-    lm, base, device = _decoder(target)
+    lm, base, device = decoder(target)
     candidates = torch.tensor(bag, dtype=torch.long, device=device)
     sequences: list[list[int]] = [[] for _ in range(batch_size)]
     margins: list[list[float]] = [[] for _ in range(batch_size)]
@@ -203,21 +241,35 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
         """Per site, the rows of every part (each a list of (n, d) per site) stacked."""
         return [torch.cat([part[site].to(parts[-1][site]) for part in parts]) for site in range(len(sites))]
 
+    # The spans of what stays known all along, each found once: every other sequence's inputs when refining
+    # (per sequence, as it is first needed), the trusted sequences' when growing some again.
+    others_known: dict[int, Known] = {}
+
+    def known_of_others(i: int) -> Known:
+        if i not in others_known:
+            others_known[i] = scorer.known(others[i])
+        return others_known[i]
+
+    fixed_known = scorer.known(fixed) if fixed is not None else None
+
     # Position 0: every sequence's first input is a bag token alone; no prefix, no prior.
     hidden = capture_site_inputs(target, sites, lambda: lm(candidates[:, None]))
     first = [h[:, 0] for h in hidden]
     chosen_rows: list[int] = []
+    joint = scorer.known(None, fixed_known)  # growing jointly: each first token picked is known for the next
     for i in range(batch_size):
         if not deflate:
-            known = None
+            bases = scorer.bases(None)
         elif others is not None:
-            known = others[i]
-        else:  # greedy within the position: each first token picked is known when the next is scored
-            known = joined(([fixed] if fixed is not None else []) + [[f[chosen_rows] for f in first]])
-        scores = scorer.score(first, scorer.bases(known))
+            bases = scorer.deflate(known_of_others(i))
+        else:
+            bases = scorer.deflate(joint)
+        scores = scorer.score(first, bases)
         if chosen_rows and deflate and others is None:
             scores[chosen_rows] = -float("inf")
         chosen_rows.append(int(scores.argmax()))
+        if deflate and others is None:
+            joint = scorer.known([f[chosen_rows[-1] : chosen_rows[-1] + 1] for f in first], joint)
     for i, row in enumerate(chosen_rows):
         sequences[i].append(bag[row])
         margins[i].append(0.0)
@@ -238,23 +290,24 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
             break
         prefix_inputs = [[h[row] for h in run.inputs] for row in best_rows]  # each sequence's chosen prefix
 
-        def known_at_start(i: int) -> list[Tensor] | None:
-            """What sequence i's scores are deflated by when the position starts."""
-            if not deflate:
-                return None
-            if others is not None:
-                return joined([others[i], prefix_inputs[i]])
-            return joined(([fixed] if fixed is not None else []) + prefix_inputs)
+        start: dict[int, tuple[Known | None, list[tuple[Tensor, Tensor]]]] = {}
 
-        start_bases: dict[int, list[tuple[Tensor, Tensor]]] = {}
+        def at_start(i: int) -> tuple[Known | None, list[tuple[Tensor, Tensor]]]:
+            """What sequence i's scores are deflated by when the position starts (None: nothing) and the deflation,
+            computed once per position and sequence (the screen and the full pass deflate by the same inputs;
+            growing jointly, every sequence starts from the same ones)."""
+            key = i if others is not None else 0
+            if key not in start:
+                if not deflate:
+                    start[key] = None, scorer.bases(None)
+                else:
+                    known = (scorer.known(prefix_inputs[i], known_of_others(i)) if others is not None
+                             else scorer.known(joined(prefix_inputs), fixed_known))
+                    start[key] = known, scorer.deflate(known)
+            return start[key]
 
         def bases_at_start(i: int) -> list[tuple[Tensor, Tensor]]:
-            """`scorer.bases(known_at_start(i))`, computed once per position and sequence (the screen and the full
-            pass deflate by the same inputs; growing jointly, every sequence starts from the same ones)."""
-            key = i if others is not None else 0
-            if key not in start_bases:
-                start_bases[key] = scorer.bases(known_at_start(i))
-            return start_bases[key]
+            return at_start(i)[1]
 
         rows = torch.arange(len(flat), device=device).repeat_interleave(len(bag))
         tokens = candidates.repeat(len(flat))
@@ -277,13 +330,13 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
         inputs = run.extend(rows, tokens)
         sources: list[int] = []  # the next position's prefixes: their rows in `run` and their new tokens
         chosen: list[int] = []
-        known = known_at_start(0) if others is None else None
+        known = at_start(0)[0] if others is None else None
         for i in range(batch_size):
             # Joint: the inputs the sequences before this one chose at p are known too, so two sequences do not
             # both take the direction one true input explains.
             mine = (owner == i).nonzero()[:, 0]
             first_of_position = others is not None or i == 0  # else the sequences before this one chose inputs at p
-            bases = bases_at_start(i) if first_of_position else scorer.bases(known)
+            bases = bases_at_start(i) if first_of_position else scorer.deflate(known)
             step = scorer.score([h[mine] for h in inputs], bases)
             total = cumulative[mine] + step + prior[mine]
             keep_i = total.topk(min(beam, total.numel())).indices
@@ -293,7 +346,7 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
             sequences[i] = list(beams[i][0][0])
             if known is not None:
                 best = int(mine[keep_i[0]])
-                known = [torch.cat([k, h[best : best + 1].to(k)]) for k, h in zip(known, inputs)]
+                known = scorer.known([h[best : best + 1] for h in inputs], known)
             margins[i].append(float(total[keep_i[0]] - total[keep_i[-1]]) if len(keep_i) > 1 else 0.0)
         run = run.advance(torch.tensor(sources, device=device), torch.tensor(chosen, device=device))
     return sequences, margins
@@ -309,6 +362,15 @@ def _reorder(cache, rows: Tensor):
 
 
 @torch.no_grad()
+def sequence_inputs(target: nn.Module, sites: list[Site], sequences: list[list[int]] | Tensor) -> list[Tensor]:
+    """Every site's inputs at the sequences' input positions (all but the last token, a label only):
+    (B, L - 1, d) per site."""
+    _, base, device = decoder(target)
+    ids = torch.as_tensor(sequences, dtype=torch.long, device=device)[:, :-1]
+    return capture_site_inputs(target, sites, lambda: base(ids))
+
+
+@torch.no_grad()
 def refine_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag: list[int],
                      sequences: list[list[int]], lm_weight: float = 0.0, beam: int = 1, screen_sites: int = 0,
                      shortlist: int = 0) -> list[list[int]]:
@@ -316,11 +378,9 @@ def refine_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, b
     positions, as found so far) known. With the others right, the rows' unknown inputs are this sequence's
     own L - 1, fewer than a site's 2r rows at L <= 2r: the span test becomes a membership test. The B
     sequences regrow together (each against the others' previous inputs), in one search."""
-    _, base, device = _decoder(target)
     if len(sequences) < 2:
         return [list(s) for s in sequences]
-    ids = torch.tensor([s[:-1] for s in sequences], dtype=torch.long, device=device)
-    inputs = capture_site_inputs(target, sites, lambda: base(ids))  # (B, L - 1, d) per site
+    inputs = sequence_inputs(target, sites, sequences)
     others = [[torch.cat([h[:i], h[i + 1 :]]).reshape(-1, h.shape[-1]) for h in inputs] for i in range(len(sequences))]
     grown, _ = grow_sequences(target, sites, scorer, bag, len(sequences), len(sequences[0]), lm_weight, beam=beam,
                               others=others, screen_sites=screen_sites, shortlist=shortlist)
@@ -330,7 +390,7 @@ def refine_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, b
 @torch.no_grad()
 def likeliest_labels(target: nn.Module, sequences: list[list[int]], count: int) -> list[list[int]]:
     """Each sequence's `count` likeliest last tokens under the global model, given all its other tokens."""
-    lm, _, device = _decoder(target)
+    lm, _, device = decoder(target)
     prefixes = torch.tensor([s[:-1] for s in sequences], dtype=torch.long, device=device)
     logp, _ = _step(lm, prefixes)
     return logp.topk(count, dim=-1).indices.tolist()

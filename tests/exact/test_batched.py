@@ -202,6 +202,28 @@ def test_the_span_score_ranks_a_true_input_above_the_others_and_deflation_is_a_p
         assert torch.allclose(rows @ rows.T, rows_ref @ rows_ref.T, atol=1e-8)
 
 
+def test_a_span_extended_by_new_inputs_is_the_span_of_all_of_them_found_by_one_svd():
+    """Refinement extends the span of the other sequences' inputs by its own prefix, position by position: the
+    projections equal one SVD of everything known (the slow reference), duplicates dropped alike."""
+    t = tiny_batch(8, batch=3, length=6)
+    lm = t.pipe.target.model
+    inputs = capture_site_inputs(t.pipe.target, t.sites, lambda: lm(t.ids))
+    everything = [h[:, :-1].reshape(-1, h.shape[-1]) for h in inputs]  # 15 inputs per site
+    # Extended twice: ten inputs, then four, then one that repeats the first (dropped by both).
+    parts = [[h[:10] for h in everything], [h[10:14] for h in everything], [h[:1] for h in everything]]
+    known = None
+    for part in parts:
+        known = t.scorer.known(part, known)
+    fast = t.scorer.deflate(known)
+    slow = t.scorer.bases([torch.cat([h[:10], h[10:14], h[:1]]) for h in everything])
+    for (k, rows), (k_ref, rows_ref) in zip(fast, slow):
+        assert k.shape == k_ref.shape and rows.shape == rows_ref.shape
+        assert torch.allclose(k.T @ k, torch.eye(k.shape[1], dtype=k.dtype), atol=1e-10)
+        assert torch.allclose(k @ k.T, k_ref @ k_ref.T, atol=1e-8)
+        assert torch.allclose(rows @ rows.T, rows_ref @ rows_ref.T, atol=1e-8)
+    assert t.scorer.known(None, known) is known and t.scorer.known([h[:0] for h in everything]).bases[0].shape[1] == 0
+
+
 def test_the_search_returns_b_sequences_of_the_asked_length_made_of_bag_tokens():
     t = tiny_batch(6)
     pipe, ids, sites, bag, scorer = t.pipe, t.ids, t.sites, t.bag, t.scorer
@@ -369,13 +391,13 @@ def test_refinement_deflates_once_per_sequence_and_position_and_finds_what_it_fo
     wrong = ids.tolist()
     wrong[0][2] = next(t for t in bag if t != wrong[0][2])
     calls = []
-    original = SpanScorer.bases
+    original = SpanScorer.deflate
 
     def counted(self, known):
-        calls.append(None if known is None else known[0].shape[0])
+        calls.append(known.bases[0].shape[1])
         return original(self, known)
 
-    monkeypatch.setattr(SpanScorer, "bases", counted)
+    monkeypatch.setattr(SpanScorer, "deflate", counted)
     screened = refine_sequences(pipe.target, sites, scorer, bag, wrong, beam=2, screen_sites=1, shortlist=len(bag))
     # Positions 1..L-2 (the last is a label) for each of the 2 sequences, once each; position 0 once per sequence.
     assert len(calls) == 2 * (5 - 2) + 2
