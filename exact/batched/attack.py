@@ -39,14 +39,16 @@ class BatchedOptions(OptionGroup):
         tolerance: ...or once the residual energy of the first site's rows falls below this fraction.
         lm_weight: Weight of the global model's next-token log-probability in the search.
         beam: Prefixes kept per sequence.
-        refine: Passes of refinement at most: every sequence grown again with the others' inputs known. With the
-            server's simulation (the audit), a refined sequence is kept only if it lowers the refit residual, and
-            the first pass that keeps none ends them.
-        regrow: Attempts at most, after refinement (with the server's simulation, B >= 3): the sequences the refit
-            explains least (half the batch, at least 2) grown again jointly with the others' inputs known, kept if
-            the refit residual falls, then refined again. Refinement regrows one sequence against all the others, so
-            a batch with two wrong sequences misleads both regrowths; grown together, the doubtful ones are a
-            smaller batch.
+        refine: Passes of refinement at most, after the search and after each regrowth (None: B / 2, at least 2):
+            every sequence grown again with the others' inputs known. With the server's simulation (the audit), a
+            refined sequence is kept only if it lowers the refit residual, and the first pass that keeps none ends
+            them, so the cap only bounds the time; a larger batch has more wrong sequences to repair a few at a
+            time (at B = 8, two passes ran out while still keeping sequences on every update).
+        regrow: Attempts at most, after refinement (with the server's simulation, B >= 3; None: B / 4, at least 1):
+            the sequences the refit explains least (half the batch, at least 2) grown again jointly with the
+            others' inputs known, kept if the refit residual falls, then refined again; the first refused ends them.
+            Refinement regrows one sequence against all the others, so a batch with two wrong sequences misleads
+            both regrowths; grown together, the doubtful ones are a smaller batch.
         refine_beam: Prefixes kept per sequence in refinement (None: `beam`). With the other sequences' inputs known,
             the span test is nearly a membership test, so a narrower beam may keep what a wide one finds.
         refine_shortlist: Extensions per sequence scored by every site in refinement (None: `shortlist`).
@@ -66,10 +68,10 @@ class BatchedOptions(OptionGroup):
     lm_weight: float = 0.5
     beam: int = 4
     label_candidates: int = 16
-    refine: int = 2
+    refine: int | None = None
     refine_beam: int | None = None
     refine_shortlist: int | None = None
-    regrow: int = 1
+    regrow: int | None = None
     screen_sites: int = 8
     shortlist: int = 64
     second_opinion_above: float = 0.3
@@ -77,6 +79,18 @@ class BatchedOptions(OptionGroup):
     def pick_budget(self, batch_size: int, length: int) -> int:
         """Bag recovery's largest number of picks for B sequences of `length` tokens."""
         return pick_budget(batch_size, length, self.picks_per_sequence)
+
+    def refine_passes(self, batch_size: int) -> int:
+        """Refinement passes at most for B sequences (none for one)."""
+        if batch_size < 2:
+            return 0
+        return max(2, batch_size // 2) if self.refine is None else self.refine
+
+    def regrow_attempts(self, batch_size: int) -> int:
+        """Regrowth attempts at most for B sequences (with the server's simulation; none below three)."""
+        if batch_size < 3:
+            return 0
+        return max(1, batch_size // 4) if self.regrow is None else self.regrow
 
     def _check(self) -> None:
         if self.picks_per_sequence is not None and self.picks_per_sequence < 1:
@@ -87,10 +101,10 @@ class BatchedOptions(OptionGroup):
             raise ValueError(f"lm_weight={self.lm_weight} must be finite and >= 0")
         if self.beam < 1:
             raise ValueError(f"beam={self.beam} must be >= 1")
-        if self.refine < 0:
-            raise ValueError(f"refine={self.refine} must be >= 0")
-        if self.regrow < 0:
-            raise ValueError(f"regrow={self.regrow} must be >= 0")
+        if self.refine is not None and self.refine < 0:
+            raise ValueError(f"refine={self.refine} must be >= 0 (or null: B / 2)")
+        if self.regrow is not None and self.regrow < 0:
+            raise ValueError(f"regrow={self.regrow} must be >= 0 (or null: B / 4)")
         if self.refine_beam is not None and self.refine_beam < 1:
             raise ValueError(f"refine_beam={self.refine_beam} must be >= 1 (or null: beam)")
         if self.refine_shortlist is not None and self.refine_shortlist < 0:
@@ -194,8 +208,8 @@ class BatchedLoRA:
         # refit residual (last tokens the LM's guesses), one sequence at a time; passes stop at the first that
         # keeps none. Without it, every pass is kept.
         checked = simulate is not None and flat is not None
-        passes = self.options.refine if batch_size > 1 else 0
-        attempts = self.options.regrow if checked and batch_size > 2 else 0
+        passes = self.options.refine_passes(batch_size)
+        attempts = self.options.regrow_attempts(batch_size) if checked else 0
         state = _Refit(sequences, labels, simulate(sequences) if checked and (passes or attempts) else None, flat)
         kept_per_pass: list[int] = []
         regrown: list[tuple[list[int], bool]] = []

@@ -431,6 +431,33 @@ def test_refinement_takes_its_own_beam_and_shortlist(monkeypatch):
         BatchedOptions(refine_beam=0)
 
 
+def test_the_caps_on_refinement_and_regrowth_grow_with_the_batch(monkeypatch):
+    """B / 2 passes and B / 4 attempts by default (2 and 1 up to B = 5), a set value whatever B; the attack runs as
+    many passes as the cap allows when every pass is kept (without the server's simulation)."""
+    import exact.batched.attack as attack_module
+    from exact.batched import BatchedLoRA, BatchedOptions
+
+    default = BatchedOptions()
+    assert [default.refine_passes(b) for b in (1, 2, 4, 7, 8, 16)] == [0, 2, 2, 3, 4, 8]
+    assert [default.regrow_attempts(b) for b in (2, 3, 4, 7, 8, 16)] == [0, 1, 1, 1, 2, 4]
+    assert BatchedOptions(refine=3, regrow=0).refine_passes(16) == 3 and BatchedOptions(regrow=0).regrow_attempts(16) == 0
+    pipe, ids, update, flat, simulate, sites, whitening = checked_batch_of(4, 21)
+    passes = []
+
+    def counted(target, sites, scorer, bag, sequences, *args, **kwargs):
+        passes.append(len(sequences))
+        return [list(s) for s in sequences]
+
+    monkeypatch.setattr(attack_module, "refine_sequences", counted)
+    for options, want in [(dict(), 2), (dict(refine=3), 3)]:
+        passes.clear()
+        BatchedLoRA(pipe.target, list(pipe.names), whitening, BatchedOptions(
+            beam=2, label_candidates=1, **options)).attack(update, 4, 5)
+        assert passes == [4] * want
+    with pytest.raises(ValueError, match="refine=-1 must be >= 0"):
+        BatchedOptions(refine=-1)
+
+
 def checked_batch_of(batch: int, seed: int):
     """`checked_batch` for B sequences."""
     pipe = pipeline(batch)

@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="bag recovery's budget per sequence (default: the sequence length)")
     parser.add_argument("--lm-weight", type=float, default=0.5)
     parser.add_argument("--beam", type=int, default=4)
-    parser.add_argument("--refine", type=int, default=BatchedOptions.refine, help="passes of refinement at most")
+    parser.add_argument("--refine", type=int, default=BatchedOptions.refine,
+                        help="passes of refinement at most (default: B / 2, at least 2)")
     parser.add_argument("--regrow", type=int, default=BatchedOptions.regrow,
                         help="attempts at regrowing the sequences the refit explains least, jointly")
     parser.add_argument("--refine-beam", type=int, default=BatchedOptions.refine_beam,
@@ -212,9 +213,9 @@ def main(argv: list[str] | None = None) -> None:
                 row = {"B": batch, "L": ids.shape[1], "update": k, "split": args.split, "lm_weight": args.lm_weight,
                        "beam": args.beam, "pick_budget": options.pick_budget(batch, ids.shape[1]),
                        **result_row(found, ids, decode, seconds),
-                       "label_candidates": args.label_candidates, "refine": args.refine,
+                       "label_candidates": args.label_candidates, "refine": options.refine_passes(batch),
                        "refine_beam": options.refine_beam, "refine_shortlist": options.refine_shortlist,
-                       "regrow": options.regrow,
+                       "regrow": options.regrow_attempts(batch),
                        "screen_sites": args.screen_sites, "shortlist": args.shortlist, "scorer": args.scorer,
                        "clip_norm": args.clip_norm, "local_epochs": args.local_epochs,
                        "local_dp_epsilon": args.local_dp_epsilon,
