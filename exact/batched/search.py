@@ -61,13 +61,15 @@ class Known:
     tops: Tensor  # (S,)
 
     @staticmethod
-    def empty(dimension: int, sites: int) -> Known:
-        return Known([torch.zeros(dimension, 0, dtype=torch.float64)] * sites, torch.zeros(sites, dtype=torch.float64))
+    def empty(dimension: int, sites: int, device: torch.device | str = "cpu") -> Known:
+        return Known([torch.zeros(dimension, 0, dtype=torch.float64, device=device)] * sites,
+                     torch.zeros(sites, dtype=torch.float64, device=device))
 
 
 class SpanScorer:
-    """Every site's whitened span test of one update: `bases(known)` deflates by the known inputs,
-    `terms(hidden, bases)` grades candidates' inputs against what is left, site by site, and `score` weighs
+    """Every site's whitened span test of one update: `known(inputs)` is the whitened span of the inputs a search
+    knows (extended as it learns more), `deflate(known)` projects it out of the rows (`bases(inputs)`: both at
+    once), `terms(hidden, bases)` grades candidates' inputs against what is left, site by site, and `score` weighs
     the sites' terms (`site_weights`, 1 each unless a learned scorer gives others)."""
 
     def __init__(self, rows: list[Tensor], whitening: Tensor, site_weights: Tensor | None = None) -> None:
@@ -85,10 +87,12 @@ class SpanScorer:
 
         Extending projects the new inputs out of the span already found (twice: one Gram-Schmidt step loses
         orthogonality) and takes the basis of what is left, so an SVD costs the new inputs' count, not all the
-        known ones': refinement knows every other sequence's inputs and adds its own prefix position by position.
-        One batched SVD over the sites either way (each site knows as many inputs)."""
+        known ones': refinement knows every other sequence's inputs and, at each position, adds its own prefix
+        (the beam's best prefix may change, so the prefix is added whole to the others' span). One batched SVD
+        over the sites either way (each site knows as many inputs)."""
         if inputs is None or inputs[0].shape[0] == 0:
-            return extending if extending is not None else Known.empty(self.whitening.shape[-1], len(self.rows))
+            return extending if extending is not None else Known.empty(self.whitening.shape[-1], len(self.rows),
+                                                                       self.whitening.device)
         z = (torch.stack([k.double() for k in inputs]) @ self.whitening.to(inputs[0].device)).transpose(1, 2)
         if extending is None:
             left, values, _ = torch.linalg.svd(z, full_matrices=False)  # z: (S, d, n)
@@ -97,10 +101,12 @@ class SpanScorer:
             return Known([left[s][:, keep[s]] for s in range(z.shape[0])], tops)
         rest = []
         for k, part in zip(extending.bases, z):
+            k = k.to(part)
             part = part - k @ (k.T @ part)
             rest.append(part - k @ (k.T @ part))
-        # The tolerance's reference: the largest singular value of everything known (bounded below by the span's
-        # and by the new inputs' largest norm), as one SVD of all of them would take it.
+        # The tolerance's reference: a lower bound on the largest singular value of everything known (the span's
+        # and the new inputs' largest norm), which one SVD of all of them would take. It only decides within the
+        # tolerance's band (near-duplicates at float32 rounding), where either choice is as good.
         tops = torch.maximum(extending.tops.to(z), z.norm(dim=1).max(dim=1).values)
         left, values, _ = torch.linalg.svd(torch.stack(rest), full_matrices=False)
         keep = (values > KNOWN_TOLERANCE * tops[:, None]) & (tops[:, None] > 0)
@@ -116,9 +122,9 @@ class SpanScorer:
             spans = [_basis(x, ROW_SPACE_TOLERANCE, top) for x, top in zip(left, self.tops)]
         return list(zip(ks, spans))
 
-    def bases(self, known: list[Tensor] | None) -> list[tuple[Tensor, Tensor]]:
+    def bases(self, inputs: list[Tensor] | None) -> list[tuple[Tensor, Tensor]]:
         """Per site (known basis (d, n'), deflated row-space basis (d, r')) for known inputs (n, d) per site."""
-        return self.deflate(self.known(known))
+        return self.deflate(self.known(inputs))
 
     def terms(self, hidden: list[Tensor], bases: list[tuple[Tensor, Tensor]],
               sites: range | None = None) -> Tensor:
@@ -268,7 +274,7 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
         if chosen_rows and deflate and others is None:
             scores[chosen_rows] = -float("inf")
         chosen_rows.append(int(scores.argmax()))
-        if deflate and others is None:
+        if deflate and others is None and i < batch_size - 1:
             joint = scorer.known([f[chosen_rows[-1] : chosen_rows[-1] + 1] for f in first], joint)
     for i, row in enumerate(chosen_rows):
         sequences[i].append(bag[row])
@@ -336,7 +342,7 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
             # both take the direction one true input explains.
             mine = (owner == i).nonzero()[:, 0]
             first_of_position = others is not None or i == 0  # else the sequences before this one chose inputs at p
-            bases = bases_at_start(i) if first_of_position else scorer.deflate(known)
+            bases = bases_at_start(i) if first_of_position or known is None else scorer.deflate(known)
             step = scorer.score([h[mine] for h in inputs], bases)
             total = cumulative[mine] + step + prior[mine]
             keep_i = total.topk(min(beam, total.numel())).indices
@@ -344,7 +350,7 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
             sources += [int(rows[mine[k]]) for k in keep_i]
             chosen += [int(tokens[mine[k]]) for k in keep_i]
             sequences[i] = list(beams[i][0][0])
-            if known is not None:
+            if known is not None and i < batch_size - 1:
                 best = int(mine[keep_i[0]])
                 known = scorer.known([h[best : best + 1] for h in inputs], known)
             margins[i].append(float(total[keep_i[0]] - total[keep_i[-1]]) if len(keep_i) > 1 else 0.0)

@@ -203,24 +203,32 @@ def test_the_span_score_ranks_a_true_input_above_the_others_and_deflation_is_a_p
 
 
 def test_a_span_extended_by_new_inputs_is_the_span_of_all_of_them_found_by_one_svd():
+    from exact.batched.search import Known
+
     """Refinement extends the span of the other sequences' inputs by its own prefix, position by position: the
     projections equal one SVD of everything known (the slow reference), duplicates dropped alike."""
     t = tiny_batch(8, batch=3, length=6)
     lm = t.pipe.target.model
     inputs = capture_site_inputs(t.pipe.target, t.sites, lambda: lm(t.ids))
     everything = [h[:, :-1].reshape(-1, h.shape[-1]) for h in inputs]  # 15 inputs per site
-    # Extended twice: ten inputs, then four, then one that repeats the first (dropped by both).
-    parts = [[h[:10] for h in everything], [h[10:14] for h in everything], [h[:1] for h in everything]]
-    known = None
+    # From the empty span (the joint search's position 0), extended four times: ten inputs, then four, then the
+    # first again and the second nudged by 1e-10 of its norm (duplicates: dropped by both), then the third moved by
+    # 1e-3 of its norm (a new direction: kept by both).
+    nudge = torch.randn(everything[0].shape[-1], generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    parts = [[h[:10] for h in everything], [h[10:14] for h in everything],
+             [torch.stack([h[0], h[1] + 1e-10 * h[1].norm() * nudge / nudge.norm()]) for h in everything],
+             [h[2:3] + 1e-3 * h[2].norm() * nudge / nudge.norm() for h in everything]]
+    known = Known.empty(everything[0].shape[-1], len(everything))
     for part in parts:
         known = t.scorer.known(part, known)
     fast = t.scorer.deflate(known)
-    slow = t.scorer.bases([torch.cat([h[:10], h[10:14], h[:1]]) for h in everything])
+    slow = t.scorer.bases([torch.cat(columns) for columns in zip(*parts)])
     for (k, rows), (k_ref, rows_ref) in zip(fast, slow):
         assert k.shape == k_ref.shape and rows.shape == rows_ref.shape
         assert torch.allclose(k.T @ k, torch.eye(k.shape[1], dtype=k.dtype), atol=1e-10)
         assert torch.allclose(k @ k.T, k_ref @ k_ref.T, atol=1e-8)
         assert torch.allclose(rows @ rows.T, rows_ref @ rows_ref.T, atol=1e-8)
+    assert [k.shape[1] for k, _ in fast] == [15] * len(fast)  # 14 distinct inputs and the moved one, per site
     assert t.scorer.known(None, known) is known and t.scorer.known([h[:0] for h in everything]).bases[0].shape[1] == 0
 
 
@@ -232,6 +240,14 @@ def test_the_search_returns_b_sequences_of_the_asked_length_made_of_bag_tokens()
     assert all(t in bag for s in sequences for t in s[:-1])
     # The two first tokens are the batch's (8 visible tokens < 16 rows: exact at position 0).
     assert sorted(s[0] for s in sequences) == sorted(ids[:, 0].tolist())
+
+
+def test_a_search_without_deflation_scores_every_sequence_alike():
+    """Without deflation nothing is known, so every sequence of a joint search is the one sequence grown alone."""
+    t = tiny_batch(6)
+    together, _ = grow_sequences(t.pipe.target, t.sites, t.scorer, t.bag, 2, 5, deflate=False, beam=2)
+    alone, _ = grow_sequences(t.pipe.target, t.sites, t.scorer, t.bag, 1, 5, deflate=False, beam=2)
+    assert together == alone * 2
 
 
 def test_the_least_squares_refit_picks_the_true_label_and_certifies_the_true_batch():
@@ -390,21 +406,29 @@ def test_refinement_deflates_once_per_sequence_and_position_and_finds_what_it_fo
     pipe, ids, sites, bag, scorer = t.pipe, t.ids, t.sites, t.bag, t.scorer
     wrong = ids.tolist()
     wrong[0][2] = next(t for t in bag if t != wrong[0][2])
-    calls = []
-    original = SpanScorer.deflate
+    calls, spans = [], []
+    deflate, known = SpanScorer.deflate, SpanScorer.known
 
-    def counted(self, known):
-        calls.append(known.bases[0].shape[1])
-        return original(self, known)
+    def counted(self, span):
+        calls.append(span.bases[-1].shape[1])  # inputs known at the second layer's site (the first repeats tokens)
+        return deflate(self, span)
+
+    def found(self, inputs, extending=None):
+        if extending is None and inputs is not None and inputs[0].shape[0]:
+            spans.append(inputs[0].shape[0])  # a span found by one SVD of all its inputs
+        return known(self, inputs, extending)
 
     monkeypatch.setattr(SpanScorer, "deflate", counted)
+    monkeypatch.setattr(SpanScorer, "known", found)
     screened = refine_sequences(pipe.target, sites, scorer, bag, wrong, beam=2, screen_sites=1, shortlist=len(bag))
-    # Positions 1..L-2 (the last is a label) for each of the 2 sequences, once each; position 0 once per sequence.
-    assert len(calls) == 2 * (5 - 2) + 2
-    calls.clear()
+    # Position 0 once per sequence (the other's 4 inputs), then positions 1..L-2 (the last is a label) once per
+    # sequence, its prefix added; the other's span is found once per sequence, the prefix only extends it.
+    assert calls == [4, 4, 5, 5, 6, 6, 7, 7] and spans == [4, 4]
+    calls.clear(), spans.clear()
     joint, _ = grow_sequences(pipe.target, sites, scorer, bag, 2, 5, beam=2, screen_sites=1, shortlist=len(bag))
-    # Jointly: position 0 deflates for each sequence; later positions once at the start and once for sequence 1.
-    assert len(calls) == 2 + 2 * (5 - 2)
+    # Jointly: position 0 deflates for each sequence (the first's choice known to the second); later positions once
+    # at the start (every prefix) and once for sequence 1 (sequence 0's new input added).
+    assert calls == [0, 1, 2, 3, 4, 5, 6, 7] and spans == [2, 4, 6]
     monkeypatch.undo()
     unscreened = refine_sequences(pipe.target, sites, scorer, bag, wrong, beam=2)
     assert screened == unscreened and screened[0][:-1] == ids[0, :-1].tolist()
@@ -454,6 +478,10 @@ def test_the_caps_on_refinement_and_regrowth_grow_with_the_batch(monkeypatch):
         BatchedLoRA(pipe.target, list(pipe.names), whitening, BatchedOptions(
             beam=2, label_candidates=1, **options)).attack(update, 4, 5)
         assert passes == [4] * want
+    pipe, ids, update, flat, simulate, sites, whitening = checked_batch_of(6, 21)
+    passes.clear()
+    BatchedLoRA(pipe.target, list(pipe.names), whitening, BatchedOptions(beam=2, label_candidates=1)).attack(update, 6, 5)
+    assert passes == [6] * 3  # B / 2
     with pytest.raises(ValueError, match="refine=-1 must be >= 0"):
         BatchedOptions(refine=-1)
 

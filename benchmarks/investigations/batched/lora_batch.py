@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--refine", type=int, default=BatchedOptions.refine,
                         help="passes of refinement at most (default: B / 2, at least 2)")
     parser.add_argument("--regrow", type=int, default=BatchedOptions.regrow,
-                        help="attempts at regrowing the sequences the refit explains least, jointly")
+                        help="attempts at regrowing the sequences the refit explains least, jointly "
+                             "(default: B / 4, at least 1)")
     parser.add_argument("--refine-beam", type=int, default=BatchedOptions.refine_beam,
                         help="prefixes kept per sequence in refinement (default: --beam)")
     parser.add_argument("--refine-shortlist", type=int, default=BatchedOptions.refine_shortlist,
@@ -215,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
                        **result_row(found, ids, decode, seconds),
                        "label_candidates": args.label_candidates, "refine": options.refine_passes(batch),
                        "refine_beam": options.refine_beam, "refine_shortlist": options.refine_shortlist,
-                       "regrow": options.regrow_attempts(batch),
+                       "regrow": options.regrow_attempts(batch) if args.label_candidates > 0 else 0,
                        "screen_sites": args.screen_sites, "shortlist": args.shortlist, "scorer": args.scorer,
                        "clip_norm": args.clip_norm, "local_epochs": args.local_epochs,
                        "local_dp_epsilon": args.local_dp_epsilon,
