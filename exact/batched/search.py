@@ -108,9 +108,8 @@ class SpanScorer:
         # and the new inputs' largest norm), which one SVD of all of them would take. It only decides within the
         # tolerance's band (near-duplicates at float32 rounding), where either choice is as good.
         tops = torch.maximum(extending.tops.to(z), z.norm(dim=1).max(dim=1).values)
-        left, values, _ = torch.linalg.svd(torch.stack(rest), full_matrices=False)
-        keep = (values > KNOWN_TOLERANCE * tops[:, None]) & (tops[:, None] > 0)
-        return Known([torch.cat([k.to(z), left[s][:, keep[s]]], dim=1) for s, k in enumerate(extending.bases)], tops)
+        added = _bases(torch.stack(rest), KNOWN_TOLERANCE, tops)
+        return Known([torch.cat([k.to(z), a], dim=1) for k, a in zip(extending.bases, added)], tops)
 
     def deflate(self, known: Known) -> list[tuple[Tensor, Tensor]]:
         """Per site (known basis (d, n'), deflated row-space basis (d, r')): the rows with `known` projected out."""
