@@ -26,6 +26,9 @@ from torch import Tensor, nn
 from datamodules.targets.hf import cache_keyword
 from exact.batched.sites import Site, capture_site_inputs
 
+#: The precisions a screen's forward pass may run in.
+SCREEN_PRECISIONS = ("float32", "bfloat16")
+
 #: Singular values of a deflated row space below this fraction of the undeflated space's largest are
 #: float32 noise of the returned weights, not directions of unknown inputs.
 ROW_SPACE_TOLERANCE = 1e-5
@@ -196,16 +199,24 @@ class Prefixes:
         out.length = self.length + 1
         return out
 
-    def extend(self, rows: Tensor, tokens: Tensor, upto: int | None = None) -> list[Tensor]:
-        """(K, d) per site (the first `upto` sites only: the forward pass stops there)."""
+    def extend(self, rows: Tensor, tokens: Tensor, upto: int | None = None,
+               precision: str = "float32") -> list[Tensor]:
+        """(K, d) per site (the first `upto` sites only: the forward pass stops there; the rest of the model, past
+        the last site, never runs). `precision` "bfloat16": the matrix products run under bfloat16 autocast (the
+        site inputs come back in float32; for a screen, which only shortlists)."""
         chunk = max(1, self.CHUNK_TOKENS // self.length)
+        device = self.logp.device
+        low = precision == "bfloat16"
         parts = []
         for start in range(0, rows.numel(), chunk):
             expanded = _reorder(self.cache, rows[start : start + chunk])
             part = tokens[start : start + chunk, None]
-            parts.append([h[:, -1] for h in capture_site_inputs(
-                self.target, self.sites, lambda part=part, expanded=expanded: self.base(
-                    input_ids=part, use_cache=True, **{cache_keyword(self.base): expanded}), upto=upto)])
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=low):
+                captured = capture_site_inputs(
+                    self.target, self.sites, lambda part=part, expanded=expanded: self.base(
+                        input_ids=part, use_cache=True, **{cache_keyword(self.base): expanded}),
+                    upto=len(self.sites) if upto is None else upto)
+            parts.append([h[:, -1].float() if low else h[:, -1] for h in captured])
         return [torch.cat(columns) for columns in zip(*parts)]
 
 
@@ -214,7 +225,8 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
                    length: int, lm_weight: float = 0.0, deflate: bool = True, beam: int = 1,
                    label_candidates: int = 1, labels: list[list[int]] | None = None,
                    others: list[list[Tensor]] | None = None, screen_sites: int = 0,
-                   shortlist: int = 0, fixed: list[Tensor] | None = None) -> tuple[list[list[int]], list[list[float]]]:
+                   shortlist: int = 0, fixed: list[Tensor] | None = None,
+                   screen_precision: str = "float32") -> tuple[list[list[int]], list[list[float]]]:
     """B sequences of `length` tokens grown over the bag (each token usable any number of times), and each
     chosen token's margin over the runner-up (a confidence; the last token's is its LM log-probability
     margin). `labels`, if given, receives each sequence's `label_candidates` likeliest last tokens.
@@ -228,7 +240,8 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
     `screen_sites`, `shortlist`: when both are set, every extension is first scored by the first
     `screen_sites` sites alone, weighed alike (the forward pass stops there; deflated by the inputs known
     when the position starts), and only the `shortlist` best per sequence run through every site; 0 scores
-    every extension at every site.
+    every extension at every site. `screen_precision` "bfloat16": the screen's forward pass runs under bfloat16
+    autocast (the full pass, which chooses, stays in the model's precision).
 
     The extensions of all B sequences' beams run through the model together (their inputs do not depend on
     each other); only their scores do, through deflation, so the choices are made sequence by sequence."""
@@ -236,6 +249,8 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
         raise ValueError(f"others holds {len(others)} sequences' inputs for {batch_size} sequences")
     if others is not None and fixed is not None:
         raise ValueError("fixed inputs are for sequences growing jointly; with others, put them in others")
+    if screen_precision not in SCREEN_PRECISIONS:
+        raise ValueError(f"screen_precision={screen_precision!r} must be one of {', '.join(SCREEN_PRECISIONS)}")
     labels = [] if labels is None else labels
     lm, base, device = decoder(target)
     candidates = torch.tensor(bag, dtype=torch.long, device=device)
@@ -321,7 +336,7 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
         prior = lm_weight * run.logp[rows, tokens].double()
         if 0 < screen_sites < len(sites) and 0 < shortlist < max(len(b) for b in beams) * len(bag):
             screen = range(screen_sites)
-            early_inputs = run.extend(rows, tokens, screen_sites)
+            early_inputs = run.extend(rows, tokens, screen_sites, screen_precision)
             keep = []
             for i in range(batch_size):
                 mine = (owner == i).nonzero()[:, 0]
@@ -378,7 +393,7 @@ def sequence_inputs(target: nn.Module, sites: list[Site], sequences: list[list[i
 @torch.no_grad()
 def refine_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag: list[int],
                      sequences: list[list[int]], lm_weight: float = 0.0, beam: int = 1, screen_sites: int = 0,
-                     shortlist: int = 0) -> list[list[int]]:
+                     shortlist: int = 0, screen_precision: str = "float32") -> list[list[int]]:
     """One pass of refinement: every sequence grown again with every other sequence's inputs (all their
     positions, as found so far) known. With the others right, the rows' unknown inputs are this sequence's
     own L - 1, fewer than a site's 2r rows at L <= 2r: the span test becomes a membership test. The B
@@ -388,7 +403,8 @@ def refine_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, b
     inputs = sequence_inputs(target, sites, sequences)
     others = [[torch.cat([h[:i], h[i + 1 :]]).reshape(-1, h.shape[-1]) for h in inputs] for i in range(len(sequences))]
     grown, _ = grow_sequences(target, sites, scorer, bag, len(sequences), len(sequences[0]), lm_weight, beam=beam,
-                              others=others, screen_sites=screen_sites, shortlist=shortlist)
+                              others=others, screen_sites=screen_sites, shortlist=shortlist,
+                              screen_precision=screen_precision)
     return [g[:-1] + [s[-1]] for g, s in zip(grown, sequences)]  # the last token stays the refit's to choose
 
 

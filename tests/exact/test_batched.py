@@ -315,6 +315,31 @@ def test_the_prior_from_the_last_position_and_the_cached_extension_equal_full_re
         assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5)
 
 
+def test_a_bfloat16_extension_is_close_to_the_float32_one_and_the_full_extension_stops_at_the_last_site():
+    from exact.batched.search import Prefixes
+
+    pipe = pipeline(1)
+    sites = adapter_sites(list(pipe.names))
+    ids = torch.randint(0, VOCAB, (2, 4), generator=torch.Generator().manual_seed(10))
+    run = Prefixes(pipe.target, sites, ids)
+    rows, tokens = torch.tensor([1, 0, 1]), torch.tensor([7, 8, 200])
+    # Nothing after the last site's module runs: the last layer's MLP is past the last q/v input.
+    reached = []
+    last_mlp = [m for name, m in pipe.target.named_modules() if name.endswith("layers.1.mlp")][0]
+    handle = last_mlp.register_forward_pre_hook(lambda *_: reached.append(1))
+    try:
+        exact = run.extend(rows, tokens)
+    finally:
+        handle.remove()
+    assert not reached
+    low = run.extend(rows, tokens, precision="bfloat16")
+    for got, want in zip(low, exact):
+        # bfloat16 keeps about 3 significant digits
+        assert got.dtype == want.dtype and (got - want).norm() < 0.05 * want.norm()
+    # The first site's input is the normed embedding, no matrix product; the second's comes through layer 0's.
+    assert torch.equal(low[0], exact[0]) and not torch.equal(low[1], exact[1])
+
+
 @pytest.mark.parametrize("seed", [6, 9])
 def test_a_screened_search_whose_shortlist_holds_every_extension_is_the_full_search(seed):
     # 2 sequences of 5 tokens: 8 visible tokens < 16 rows, so on the first site every bag token lies in the span and
@@ -326,6 +351,12 @@ def test_a_screened_search_whose_shortlist_holds_every_extension_is_the_full_sea
     screened, _ = grow_sequences(pipe.target, sites, scorer, bag, 2, 5, beam=2, screen_sites=1, shortlist=len(bag))
     assert screened == full
     assert sorted(s[:-1] for s in screened) == sorted(s[:-1] for s in ids.tolist())
+    # A bfloat16 screen only shortlists: with every extension kept, the full pass chooses what it chose before.
+    low, _ = grow_sequences(pipe.target, sites, scorer, bag, 2, 5, beam=2, screen_sites=1, shortlist=len(bag),
+                            screen_precision="bfloat16")
+    assert low == full
+    with pytest.raises(ValueError, match="screen_precision='float16' must be one of float32, bfloat16"):
+        grow_sequences(pipe.target, sites, scorer, bag, 2, 5, screen_precision="float16")
 
 
 def test_site_weights_weigh_the_terms_and_a_wrong_count_is_refused():
@@ -441,18 +472,22 @@ def test_refinement_takes_its_own_beam_and_shortlist(monkeypatch):
     pipe, ids, update, flat, simulate, sites, whitening = checked_batch(13)
     seen = []
 
-    def recorded(target, sites, scorer, bag, sequences, lm_weight=0.0, beam=1, screen_sites=0, shortlist=0):
-        seen.append((beam, screen_sites, shortlist))
+    def recorded(target, sites, scorer, bag, sequences, lm_weight=0.0, beam=1, screen_sites=0, shortlist=0,
+                 screen_precision="float32"):
+        seen.append((beam, screen_sites, shortlist, screen_precision))
         return [list(s) for s in sequences]
 
     monkeypatch.setattr(attack_module, "refine_sequences", recorded)
-    for options, want in [(dict(), (3, 1, 7)), (dict(refine_beam=1, refine_shortlist=2), (1, 1, 2))]:
+    for options, want in [(dict(), (3, 1, 7, "float32")), (dict(refine_beam=1, refine_shortlist=2), (1, 1, 2, "float32")),
+                          (dict(screen_precision="bfloat16"), (3, 1, 7, "bfloat16"))]:
         seen.clear()
         BatchedLoRA(pipe.target, list(pipe.names), whitening, BatchedOptions(
             refine=1, beam=3, screen_sites=1, shortlist=7, label_candidates=1, **options)).attack(update, 2, 5)
         assert seen == [want]
     with pytest.raises(ValueError, match="refine_beam=0 must be >= 1"):
         BatchedOptions(refine_beam=0)
+    with pytest.raises(ValueError, match="screen_precision='half' must be one of float32, bfloat16"):
+        BatchedOptions(screen_precision="half")
 
 
 def test_the_caps_on_refinement_and_regrowth_grow_with_the_batch(monkeypatch):
@@ -551,6 +586,15 @@ def test_regrowth_runs_after_refinement_and_is_recorded_and_refused_without_a_ga
     result = attack.attack(update, 4, 5, simulate, flat)
     # One attempt, refused (the residual rises), so no second; the result is the one without regrowth.
     assert grown == [2] and len(result.regrown) == 1 and result.regrown[0][1] is False
+    # The trace: the search, each pass, the attempt (refused: the sequences before it), each pass after it, in time.
+    steps = [step for step, _, _ in result.trace]
+    assert steps == ["search", *["refine"] * len(result.kept_per_pass[:1]), "regrow",
+                     *["refine"] * len(result.kept_per_pass[1:])]
+    times = [at for _, at, _ in result.trace]
+    assert times == sorted(times) and times[-1] <= sum(result.seconds.values())
+    regrow_at = steps.index("regrow")
+    assert result.trace[regrow_at][2] == result.trace[regrow_at - 1][2]
+    assert [s[:-1] for s in result.trace[-1][2]] == [s[:-1] for s in result.sequences]  # the refit picks labels only
     assert result.sequences == none.attack(update, 4, 5, simulate, flat).sequences
     with pytest.raises(ValueError, match="regrow=-1 must be >= 0"):
         BatchedOptions(regrow=-1)

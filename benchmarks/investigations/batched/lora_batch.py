@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from exact.batched import BatchedOptions
+from exact.batched.search import SCREEN_PRECISIONS
 
 TAIL = 2048
 
@@ -119,6 +120,9 @@ def result_row(found, ids: torch.Tensor, decode, seconds: float) -> dict:
            "certified": found.certified, "phase_seconds": {k: round(v, 2) for k, v in found.seconds.items()},
            "second_opinion": found.second_opinion, "kept_per_pass": found.kept_per_pass,
            "regrown": [[doubtful, kept] for doubtful, kept in found.regrown]}
+    # Token accuracy after each step of the search kept (its last tokens the LM's guesses, before the refit's labels).
+    row["trace"] = [[step, round(at, 2), score_batch(sequences, ids, None, decode)["correct"] / scores["tokens"]]
+                    for step, at, sequences in found.trace]
     if found.other is not None:  # what the choice between the two searches gained or lost
         other = score_batch(found.other.sequences, ids, None, decode)
         row["other_token_acc"] = other["correct"] / other["tokens"]
@@ -164,6 +168,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="sites that screen every extension (0: no screening)")
     parser.add_argument("--shortlist", type=int, default=BatchedOptions.shortlist,
                         help="extensions per sequence scored by every site after the screen")
+    parser.add_argument("--screen-precision", default=BatchedOptions.screen_precision, choices=SCREEN_PRECISIONS,
+                        help="the screen's forward pass precision (bfloat16: autocast)")
     parser.add_argument("--scorer", default=None, help="learned scorer weights (train_scorer's output); "
                         "their prior weight replaces --lm-weight")
     parser.add_argument("--second-opinion", default=None,
@@ -190,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
                              label_candidates=max(1, args.label_candidates), refine=args.refine,
                              refine_beam=args.refine_beam, refine_shortlist=args.refine_shortlist, regrow=args.regrow,
                              screen_sites=args.screen_sites, shortlist=args.shortlist,
-                             second_opinion_above=args.second_opinion_above)
+                             screen_precision=args.screen_precision, second_opinion_above=args.second_opinion_above)
     second = None
     if args.second_opinion:
         other = ScorerWeights.load(args.second_opinion, bench.fingerprint, len(bench.sites))
@@ -217,7 +223,8 @@ def main(argv: list[str] | None = None) -> None:
                        "label_candidates": args.label_candidates, "refine": options.refine_passes(batch),
                        "refine_beam": options.refine_beam, "refine_shortlist": options.refine_shortlist,
                        "regrow": options.regrow_attempts(batch) if args.label_candidates > 0 else 0,
-                       "screen_sites": args.screen_sites, "shortlist": args.shortlist, "scorer": args.scorer,
+                       "screen_sites": args.screen_sites, "shortlist": args.shortlist,
+                       "screen_precision": args.screen_precision, "scorer": args.scorer,
                        "clip_norm": args.clip_norm, "local_epochs": args.local_epochs,
                        "local_dp_epsilon": args.local_dp_epsilon,
                        "local_dp_delta": args.local_dp_delta if args.local_dp_epsilon is not None else None,
