@@ -47,11 +47,12 @@ class BatchedOptions(OptionGroup):
         tolerance: ...or once the residual energy of the first site's rows falls below this fraction.
         lm_weight: Weight of the global model's next-token log-probability in the search.
         beam: Prefixes kept per sequence.
-        refine: Passes of refinement at most, after the search and after each regrowth (None: B / 2, at least 2):
-            every sequence grown again with the others' inputs known. With the server's simulation (the audit), a
-            refined sequence is kept only if it lowers the refit residual, and the first pass that keeps none ends
-            them, so the cap only bounds the time; a larger batch has more wrong sequences to repair a few at a
-            time (at B = 8, two passes ran out while still keeping sequences on every update).
+        refine: Passes of refinement at most, after the search and after each regrowth (None: 2B with the server's
+            simulation, else B / 2; at least 2): every sequence grown again with the others' inputs known. With the
+            server's simulation (the audit), a refined sequence is kept only if it lowers the refit residual, and the
+            first pass that keeps none ends them, so the cap only bounds the time: a larger batch has more wrong
+            sequences to repair a few at a time (on an auxiliary B = 8 update the passes kept sequences up to the
+            tenth, 44% after four, 90% after ten). Without it every pass is kept, so the cap is what runs.
         regrow: Attempts at most, after refinement (with the server's simulation, B >= 3; None: B / 4, at least 1):
             the sequences the refit explains least (half the batch, at least 2) grown again jointly with the
             others' inputs known, kept if the refit residual falls, then refined again; the first refused ends them.
@@ -60,6 +61,9 @@ class BatchedOptions(OptionGroup):
         refine_beam: Prefixes kept per sequence in refinement (None: `beam`). With the other sequences' inputs known,
             the span test is nearly a membership test, so a narrower beam may keep what a wide one finds.
         refine_shortlist: Extensions per sequence scored by every site in refinement (None: `shortlist`).
+        refine_screen_sites: Sites of refinement's screen (None: `screen_sites`). With the others' inputs known,
+            the first sites' test is nearly one of membership too, so a screen of 2 sites (one layer run) may keep
+            what one of 8 keeps.
         screen_sites: Every extension is first scored by this many sites alone (the forward pass stops there)...
         shortlist: ...and only this many per sequence run through every site (0 with either: every extension
             through every site).
@@ -82,6 +86,7 @@ class BatchedOptions(OptionGroup):
     refine: int | None = None
     refine_beam: int | None = None
     refine_shortlist: int | None = None
+    refine_screen_sites: int | None = None
     regrow: int | None = None
     screen_sites: int = 8
     shortlist: int = 64
@@ -92,11 +97,14 @@ class BatchedOptions(OptionGroup):
         """Bag recovery's largest number of picks for B sequences of `length` tokens."""
         return pick_budget(batch_size, length, self.picks_per_sequence)
 
-    def refine_passes(self, batch_size: int) -> int:
-        """Refinement passes at most for B sequences (none for one)."""
+    def refine_passes(self, batch_size: int, checked: bool = True) -> int:
+        """Refinement passes at most for B sequences (none for one); `checked`: with the server's simulation, which
+        ends the passes at the first that keeps none."""
         if batch_size < 2:
             return 0
-        return max(2, batch_size // 2) if self.refine is None else self.refine
+        if self.refine is not None:
+            return self.refine
+        return max(2, 2 * batch_size if checked else batch_size // 2)
 
     def regrow_attempts(self, batch_size: int) -> int:
         """Regrowth attempts at most for B sequences (with the server's simulation; none below three)."""
@@ -114,13 +122,15 @@ class BatchedOptions(OptionGroup):
         if self.beam < 1:
             raise ValueError(f"beam={self.beam} must be >= 1")
         if self.refine is not None and self.refine < 0:
-            raise ValueError(f"refine={self.refine} must be >= 0 (or null: B / 2)")
+            raise ValueError(f"refine={self.refine} must be >= 0 (or null: 2B with the simulation, else B / 2)")
         if self.regrow is not None and self.regrow < 0:
             raise ValueError(f"regrow={self.regrow} must be >= 0 (or null: B / 4)")
         if self.refine_beam is not None and self.refine_beam < 1:
             raise ValueError(f"refine_beam={self.refine_beam} must be >= 1 (or null: beam)")
         if self.refine_shortlist is not None and self.refine_shortlist < 0:
             raise ValueError(f"refine_shortlist={self.refine_shortlist} must be >= 0 (or null: shortlist)")
+        if self.refine_screen_sites is not None and self.refine_screen_sites < 0:
+            raise ValueError(f"refine_screen_sites={self.refine_screen_sites} must be >= 0 (or null: screen_sites)")
         if self.screen_sites < 0 or self.shortlist < 0:
             raise ValueError(f"screen_sites={self.screen_sites} and shortlist={self.shortlist} must be >= 0")
         if self.screen_precision not in SCREEN_PRECISIONS:
@@ -184,7 +194,8 @@ class BatchedLoRA:
     def _refinement(self) -> dict[str, int]:
         """The beam and screen of refinement passes."""
         o = self.options
-        return {"beam": o.beam if o.refine_beam is None else o.refine_beam, "screen_sites": o.screen_sites,
+        return {"beam": o.beam if o.refine_beam is None else o.refine_beam,
+                "screen_sites": o.screen_sites if o.refine_screen_sites is None else o.refine_screen_sites,
                 "shortlist": o.shortlist if o.refine_shortlist is None else o.refine_shortlist,
                 "screen_precision": o.screen_precision}
 
@@ -229,7 +240,7 @@ class BatchedLoRA:
         # refit residual (last tokens the LM's guesses), one sequence at a time; passes stop at the first that
         # keeps none. Without it, every pass is kept.
         checked = simulate is not None and flat is not None
-        passes = self.options.refine_passes(batch_size)
+        passes = self.options.refine_passes(batch_size, checked)
         attempts = self.options.regrow_attempts(batch_size) if checked else 0
         state = _Refit(sequences, labels, simulate(sequences) if checked and (passes or attempts) else None, flat)
         kept_per_pass: list[int] = []

@@ -479,25 +479,30 @@ def test_refinement_takes_its_own_beam_and_shortlist(monkeypatch):
 
     monkeypatch.setattr(attack_module, "refine_sequences", recorded)
     for options, want in [(dict(), (3, 1, 7, "float32")), (dict(refine_beam=1, refine_shortlist=2), (1, 1, 2, "float32")),
-                          (dict(screen_precision="bfloat16"), (3, 1, 7, "bfloat16"))]:
+                          (dict(screen_precision="bfloat16"), (3, 1, 7, "bfloat16")),
+                          (dict(refine_screen_sites=2), (3, 2, 7, "float32"))]:
         seen.clear()
         BatchedLoRA(pipe.target, list(pipe.names), whitening, BatchedOptions(
             refine=1, beam=3, screen_sites=1, shortlist=7, label_candidates=1, **options)).attack(update, 2, 5)
         assert seen == [want]
     with pytest.raises(ValueError, match="refine_beam=0 must be >= 1"):
         BatchedOptions(refine_beam=0)
+    with pytest.raises(ValueError, match="refine_screen_sites=-1 must be >= 0"):
+        BatchedOptions(refine_screen_sites=-1)
     with pytest.raises(ValueError, match="screen_precision='half' must be one of float32, bfloat16"):
         BatchedOptions(screen_precision="half")
 
 
 def test_the_caps_on_refinement_and_regrowth_grow_with_the_batch(monkeypatch):
-    """B / 2 passes and B / 4 attempts by default (2 and 1 up to B = 5), a set value whatever B; the attack runs as
-    many passes as the cap allows when every pass is kept (without the server's simulation)."""
+    """2B passes with the server's simulation (which ends them at the first that keeps none), else B / 2 (every pass
+    kept), at least 2; B / 4 attempts (at least 1); a set value whatever B. The attack runs as many passes as the
+    cap allows when every pass is kept."""
     import exact.batched.attack as attack_module
     from exact.batched import BatchedLoRA, BatchedOptions
 
     default = BatchedOptions()
-    assert [default.refine_passes(b) for b in (1, 2, 4, 7, 8, 16)] == [0, 2, 2, 3, 4, 8]
+    assert [default.refine_passes(b) for b in (1, 2, 4, 7, 8, 16)] == [0, 4, 8, 14, 16, 32]
+    assert [default.refine_passes(b, checked=False) for b in (1, 2, 4, 7, 8, 16)] == [0, 2, 2, 3, 4, 8]
     assert [default.regrow_attempts(b) for b in (2, 3, 4, 7, 8, 16)] == [0, 1, 1, 1, 2, 4]
     assert BatchedOptions(refine=3, regrow=0).refine_passes(16) == 3 and BatchedOptions(regrow=0).regrow_attempts(16) == 0
     pipe, ids, update, flat, simulate, sites, whitening = checked_batch_of(4, 21)
@@ -517,6 +522,18 @@ def test_the_caps_on_refinement_and_regrowth_grow_with_the_batch(monkeypatch):
     passes.clear()
     BatchedLoRA(pipe.target, list(pipe.names), whitening, BatchedOptions(beam=2, label_candidates=1)).attack(update, 6, 5)
     assert passes == [6] * 3  # B / 2
+    # With the simulation: every pass changes a sequence and is kept (the refit made to agree), so 2B passes run.
+    passes.clear()
+
+    def changed(target, sites, scorer, bag, sequences, *args, **kwargs):
+        passes.append(len(sequences))
+        return [s[:1] + [(s[1] + 1) % VOCAB] + s[2:] for s in sequences]
+
+    monkeypatch.setattr(attack_module, "refine_sequences", changed)
+    monkeypatch.setattr(attack_module._Refit, "replace", lambda self, *args: True)
+    result = BatchedLoRA(pipe.target, list(pipe.names), whitening, BatchedOptions(
+        beam=2, label_candidates=1, regrow=0)).attack(update, 6, 5, simulate, flat)
+    assert passes == [6] * 12 and len(result.kept_per_pass) == 12
     with pytest.raises(ValueError, match="refine=-1 must be >= 0"):
         BatchedOptions(refine=-1)
 

@@ -162,6 +162,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="prefixes kept per sequence in refinement (default: --beam)")
     parser.add_argument("--refine-shortlist", type=int, default=BatchedOptions.refine_shortlist,
                         help="extensions per sequence scored by every site in refinement (default: --shortlist)")
+    parser.add_argument("--refine-screen-sites", type=int, default=BatchedOptions.refine_screen_sites,
+                        help="sites of refinement's screen (default: --screen-sites)")
     parser.add_argument("--label-candidates", type=int, default=16,
                         help="last tokens chosen by the least-squares refit among the LM's top k (0: no refit)")
     parser.add_argument("--screen-sites", type=int, default=BatchedOptions.screen_sites,
@@ -194,7 +196,8 @@ def main(argv: list[str] | None = None) -> None:
         weights = ScorerWeights.load(args.scorer, bench.fingerprint, len(bench.sites))
     options = BatchedOptions(picks_per_sequence=args.picks_per_sequence, lm_weight=weights.lm if weights else args.lm_weight, beam=args.beam,
                              label_candidates=max(1, args.label_candidates), refine=args.refine,
-                             refine_beam=args.refine_beam, refine_shortlist=args.refine_shortlist, regrow=args.regrow,
+                             refine_beam=args.refine_beam, refine_shortlist=args.refine_shortlist,
+                             refine_screen_sites=args.refine_screen_sites, regrow=args.regrow,
                              screen_sites=args.screen_sites, shortlist=args.shortlist,
                              screen_precision=args.screen_precision, second_opinion_above=args.second_opinion_above)
     second = None
@@ -220,8 +223,9 @@ def main(argv: list[str] | None = None) -> None:
                 row = {"B": batch, "L": ids.shape[1], "update": k, "split": args.split, "lm_weight": args.lm_weight,
                        "beam": args.beam, "pick_budget": options.pick_budget(batch, ids.shape[1]),
                        **result_row(found, ids, decode, seconds),
-                       "label_candidates": args.label_candidates, "refine": options.refine_passes(batch),
+                       "label_candidates": args.label_candidates, "refine": options.refine_passes(batch, args.label_candidates > 0),
                        "refine_beam": options.refine_beam, "refine_shortlist": options.refine_shortlist,
+                       "refine_screen_sites": options.refine_screen_sites,
                        "regrow": options.regrow_attempts(batch) if args.label_candidates > 0 else 0,
                        "screen_sites": args.screen_sites, "shortlist": args.shortlist,
                        "screen_precision": args.screen_precision, "scorer": args.scorer,
