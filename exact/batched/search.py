@@ -18,6 +18,7 @@ re-simulates the sequences' gradients and fits the update. Plain PyTorch.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -201,22 +202,26 @@ class Prefixes:
 
     def extend(self, rows: Tensor, tokens: Tensor, upto: int | None = None,
                precision: str = "float32") -> list[Tensor]:
-        """(K, d) per site (the first `upto` sites only: the forward pass stops there; the rest of the model, past
-        the last site, never runs). `precision` "bfloat16": the matrix products run under bfloat16 autocast (the
-        site inputs come back in float32; for a screen, which only shortlists)."""
+        """(K, d) per site (the first `upto` sites only: the forward pass stops there; without `upto` it stops at
+        the last site, as `adapter_sites` lists the sites in the order the model runs them). `precision`
+        "bfloat16": the matrix products run under bfloat16 autocast and the site inputs come back in the model's
+        dtype (for a screen, which only shortlists)."""
+        if precision not in SCREEN_PRECISIONS:
+            raise ValueError(f"precision={precision!r} must be one of {', '.join(SCREEN_PRECISIONS)}")
         chunk = max(1, self.CHUNK_TOKENS // self.length)
-        device = self.logp.device
-        low = precision == "bfloat16"
+        dtype = self.inputs[0].dtype
         parts = []
         for start in range(0, rows.numel(), chunk):
             expanded = _reorder(self.cache, rows[start : start + chunk])
             part = tokens[start : start + chunk, None]
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=low):
+            low = (torch.autocast(self.logp.device.type, dtype=torch.bfloat16) if precision == "bfloat16"
+                   else contextlib.nullcontext())
+            with low:
                 captured = capture_site_inputs(
                     self.target, self.sites, lambda part=part, expanded=expanded: self.base(
                         input_ids=part, use_cache=True, **{cache_keyword(self.base): expanded}),
                     upto=len(self.sites) if upto is None else upto)
-            parts.append([h[:, -1].float() if low else h[:, -1] for h in captured])
+            parts.append([h[:, -1].to(dtype) for h in captured])
         return [torch.cat(columns) for columns in zip(*parts)]
 
 

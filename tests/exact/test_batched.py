@@ -338,6 +338,8 @@ def test_a_bfloat16_extension_is_close_to_the_float32_one_and_the_full_extension
         assert got.dtype == want.dtype and (got - want).norm() < 0.05 * want.norm()
     # The first site's input is the normed embedding, no matrix product; the second's comes through layer 0's.
     assert torch.equal(low[0], exact[0]) and not torch.equal(low[1], exact[1])
+    with pytest.raises(ValueError, match="precision='bf16' must be one of float32, bfloat16"):
+        run.extend(rows, tokens, precision="bf16")
 
 
 @pytest.mark.parametrize("seed", [6, 9])
@@ -351,7 +353,8 @@ def test_a_screened_search_whose_shortlist_holds_every_extension_is_the_full_sea
     screened, _ = grow_sequences(pipe.target, sites, scorer, bag, 2, 5, beam=2, screen_sites=1, shortlist=len(bag))
     assert screened == full
     assert sorted(s[:-1] for s in screened) == sorted(s[:-1] for s in ids.tolist())
-    # A bfloat16 screen only shortlists: with every extension kept, the full pass chooses what it chose before.
+    # A bfloat16 screen only shortlists: with a shortlist as wide as the bag, the full pass chooses what it chose
+    # before (from position 2 a sequence has 2 beams, so the shortlist no longer holds every extension).
     low, _ = grow_sequences(pipe.target, sites, scorer, bag, 2, 5, beam=2, screen_sites=1, shortlist=len(bag),
                             screen_precision="bfloat16")
     assert low == full
@@ -478,13 +481,22 @@ def test_refinement_takes_its_own_beam_and_shortlist(monkeypatch):
         return [list(s) for s in sequences]
 
     monkeypatch.setattr(attack_module, "refine_sequences", recorded)
+    searched = []
+    original = attack_module.grow_sequences
+
+    def search_recorded(*args, **kwargs):
+        searched.append(kwargs["screen_precision"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(attack_module, "grow_sequences", search_recorded)
     for options, want in [(dict(), (3, 1, 7, "float32")), (dict(refine_beam=1, refine_shortlist=2), (1, 1, 2, "float32")),
                           (dict(screen_precision="bfloat16"), (3, 1, 7, "bfloat16")),
                           (dict(refine_screen_sites=2), (3, 2, 7, "float32"))]:
         seen.clear()
         BatchedLoRA(pipe.target, list(pipe.names), whitening, BatchedOptions(
             refine=1, beam=3, screen_sites=1, shortlist=7, label_candidates=1, **options)).attack(update, 2, 5)
-        assert seen == [want]
+        assert seen == [want] and searched == [want[3]]  # the search screens in the same precision
+        searched.clear()
     with pytest.raises(ValueError, match="refine_beam=0 must be >= 1"):
         BatchedOptions(refine_beam=0)
     with pytest.raises(ValueError, match="refine_screen_sites=-1 must be >= 0"):
@@ -501,10 +513,10 @@ def test_the_caps_on_refinement_and_regrowth_grow_with_the_batch(monkeypatch):
     from exact.batched import BatchedLoRA, BatchedOptions
 
     default = BatchedOptions()
-    assert [default.refine_passes(b) for b in (1, 2, 4, 7, 8, 16)] == [0, 4, 8, 14, 16, 32]
+    assert [default.refine_passes(b, checked=True) for b in (1, 2, 4, 7, 8, 16)] == [0, 4, 8, 14, 16, 32]
     assert [default.refine_passes(b, checked=False) for b in (1, 2, 4, 7, 8, 16)] == [0, 2, 2, 3, 4, 8]
     assert [default.regrow_attempts(b) for b in (2, 3, 4, 7, 8, 16)] == [0, 1, 1, 1, 2, 4]
-    assert BatchedOptions(refine=3, regrow=0).refine_passes(16) == 3 and BatchedOptions(regrow=0).regrow_attempts(16) == 0
+    assert BatchedOptions(refine=3, regrow=0).refine_passes(16, checked=True) == 3 and BatchedOptions(regrow=0).regrow_attempts(16) == 0
     pipe, ids, update, flat, simulate, sites, whitening = checked_batch_of(4, 21)
     passes = []
 
@@ -522,6 +534,8 @@ def test_the_caps_on_refinement_and_regrowth_grow_with_the_batch(monkeypatch):
     passes.clear()
     BatchedLoRA(pipe.target, list(pipe.names), whitening, BatchedOptions(beam=2, label_candidates=1)).attack(update, 6, 5)
     assert passes == [6] * 3  # B / 2
+    without = BatchedLoRA(pipe.target, list(pipe.names), whitening, BatchedOptions(beam=2, label_candidates=1))
+    assert [step for step, _, _ in without.attack(update, 6, 5).trace] == ["search"] + ["refine"] * 3
     # With the simulation: every pass changes a sequence and is kept (the refit made to agree), so 2B passes run.
     passes.clear()
 
@@ -604,13 +618,9 @@ def test_regrowth_runs_after_refinement_and_is_recorded_and_refused_without_a_ga
     # One attempt, refused (the residual rises), so no second; the result is the one without regrowth.
     assert grown == [2] and len(result.regrown) == 1 and result.regrown[0][1] is False
     # The trace: the search, each pass, the attempt (refused: the sequences before it), each pass after it, in time.
-    steps = [step for step, _, _ in result.trace]
-    assert steps == ["search", *["refine"] * len(result.kept_per_pass[:1]), "regrow",
-                     *["refine"] * len(result.kept_per_pass[1:])]
-    times = [at for _, at, _ in result.trace]
-    assert times == sorted(times) and times[-1] <= sum(result.seconds.values())
-    regrow_at = steps.index("regrow")
-    assert result.trace[regrow_at][2] == result.trace[regrow_at - 1][2]
+    assert [step for step, _, _ in result.trace] == ["search", "refine", "regrow"]
+    assert result.trace[-1][1] <= sum(result.seconds.values())
+    assert result.trace[2][2] == result.trace[1][2]  # refused: the sequences before it
     assert [s[:-1] for s in result.trace[-1][2]] == [s[:-1] for s in result.sequences]  # the refit picks labels only
     assert result.sequences == none.attack(update, 4, 5, simulate, flat).sequences
     with pytest.raises(ValueError, match="regrow=-1 must be >= 0"):
@@ -639,6 +649,9 @@ def test_a_doubted_result_is_searched_again_with_the_second_scorer_and_the_lower
     assert any(key.startswith("second_") for key in result.seconds)
     # The sites' own search reads more of these inputs than the random prior: the second opinion wins here.
     assert result.second_opinion and result.other.sequences == first.sequences and result.residual < first.residual
+    # The kept search's trace counts from the attack's start: after the first search's whole time.
+    assert result.trace[0][0] == "search" and result.trace[0][1] >= sum(
+        v for k, v in result.seconds.items() if not k.startswith("second_"))
     trusting = BatchedLoRA(pipe.target, list(pipe.names), whitening,
                            BatchedOptions(second_opinion_above=first.residual + 1, **options), site_weights=silent,
                            second_opinion=(every, 0.0))
