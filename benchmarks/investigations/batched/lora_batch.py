@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
                 row = {"B": batch, "L": ids.shape[1], "update": k, "split": args.split, "lm_weight": args.lm_weight,
                        "beam": args.beam, "pick_budget": options.pick_budget(batch, ids.shape[1]),
                        **result_row(found, ids, decode, seconds),
-                       "label_candidates": args.label_candidates, "refine": options.refine_passes(batch, args.label_candidates > 0),
+                       "label_candidates": args.label_candidates, "refine": options.refine_passes(batch, checked=args.label_candidates > 0),
                        "refine_beam": options.refine_beam, "refine_shortlist": options.refine_shortlist,
                        "refine_screen_sites": options.refine_screen_sites,
                        "regrow": options.regrow_attempts(batch) if args.label_candidates > 0 else 0,
