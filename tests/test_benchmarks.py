@@ -495,6 +495,22 @@ def test_batched_curve_tabulates_means_per_batch_and_draws_the_figure(tmp_path, 
     assert (tmp_path / "curve.png").stat().st_size > 1000 and not list(tmp_path.glob(".*"))
 
 
+def test_batched_curve_draws_each_traced_update_and_says_when_no_row_has_a_trace(tmp_path, capsys):
+    line = {"bag_recall": 1.0, "rouge1": 0.9, "rouge2": 0.8, "exact": 0.0, "seconds": 10.0, "residual": 0.1,
+            "token_acc": 0.5}
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("\n".join(json.dumps({**line, "B": 8, "update": k, **extra}) for k, extra in (
+        (0, {"trace": [["search", 1.0, 0.1], ["refine", 2.5, 0.4]]}), (1, {}))) + "\n")
+    module = load_benchmark("tools.batched_curve")
+    module.main([str(rows), "--trace-out", str(tmp_path / "trace.png")])
+    assert "(1 updates)" in capsys.readouterr().out and (tmp_path / "trace.png").stat().st_size > 1000
+    untraced = tmp_path / "untraced.jsonl"
+    untraced.write_text(json.dumps({**line, "B": 4, "update": 0}) + "\n")
+    module.main([str(untraced), "--trace-out", str(tmp_path / "none.png")])
+    assert "no row holds a trace" in capsys.readouterr().out and not (tmp_path / "none.png").exists()
+    assert not list(tmp_path.glob(".*"))
+
+
 def test_batched_curve_takes_a_later_files_row_of_the_same_update_in_place_of_the_earlier(tmp_path, capsys):
     line = {"bag_recall": 1.0, "rouge1": 0.9, "rouge2": 0.8, "exact": 0.0, "seconds": 10.0, "residual": 0.1}
     earlier, later = tmp_path / "v2.jsonl", tmp_path / "v3.jsonl"

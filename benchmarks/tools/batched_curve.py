@@ -5,7 +5,9 @@ docs/audit.md quotes.
     python -m benchmarks.tools.batched_curve docs/results/audit/batched/eval_v2.jsonl \
         docs/results/audit/batched/eval_v3_regrow.jsonl --out docs/results/audit/batched/accuracy_vs_batch.png
 
-A later file's row replaces an earlier one's of the same B and update.
+A later file's row replaces an earlier one's of the same B and update. `--trace-out`: a second figure, each
+update's token accuracy after every step of the attack (search, refinement passes, regrowth) against the seconds
+since it began, from the rows that hold a trace.
 """
 
 from __future__ import annotations
@@ -43,10 +45,45 @@ def table(by_batch: dict[int, list[dict]]) -> str:
     return "\n".join(lines)
 
 
+def trace_figure(by_batch: dict[int, list[dict]], path: str) -> int:
+    """Each traced row's accuracy after every step against its seconds (one line per update, a colour per B);
+    returns how many rows were drawn (none: no figure)."""
+    traced = [(batch, row) for batch, rows in by_batch.items() for row in rows if row.get("trace")]
+    if not traced:
+        return 0
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 3.6))
+    colours = {batch: f"C{i}" for i, batch in enumerate(sorted({b for b, _ in traced}))}
+    for batch, row in traced:
+        seconds = [at for _, at, _ in row["trace"]]
+        accuracy = [100 * acc for _, _, acc in row["trace"]]
+        axes.plot(seconds, accuracy, marker=".", color=colours[batch], alpha=0.6)
+    for batch, colour in colours.items():
+        axes.plot([], [], color=colour, label=f"B = {batch}")
+    axes.set_xlabel("seconds since the attack began")
+    axes.set_ylabel("token accuracy (%)")
+    axes.set_ylim(0, 100)
+    axes.grid(alpha=0.3)
+    axes.legend(loc="lower right", fontsize=8)
+    figure.tight_layout()
+    out = Path(path)
+    temporary = out.with_name(f".{out.name}.tmp.png")
+    figure.savefig(temporary, dpi=120)
+    temporary.replace(out)
+    plt.close(figure)
+    return len(traced)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("rows", nargs="+", help="JSONL files of lora_batch")
     parser.add_argument("--out", default=None, help="the figure (.png); none: the table only")
+    parser.add_argument("--trace-out", default=None,
+                        help="a figure (.png) of each traced update's accuracy after every step against its seconds")
     args = parser.parse_args(argv)
     by_batch = rows_by_batch(args.rows)
     if not by_batch:
@@ -77,6 +114,9 @@ def main(argv: list[str] | None = None) -> None:
         figure.savefig(temporary, dpi=120)
         temporary.replace(out)
         print(f"figure: {out}")
+    if args.trace_out:
+        drawn = trace_figure(by_batch, args.trace_out)
+        print(f"trace figure: {args.trace_out} ({drawn} updates)" if drawn else "no row holds a trace: no trace figure")
 
 
 if __name__ == "__main__":
