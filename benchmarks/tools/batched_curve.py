@@ -45,6 +45,19 @@ def table(by_batch: dict[int, list[dict]]) -> str:
     return "\n".join(lines)
 
 
+def _finish(figure, axes, legend: str, path: str) -> None:
+    """The token-accuracy axis both figures share, and the figure written atomically to `path`."""
+    axes.set_ylabel("token accuracy (%)")
+    axes.set_ylim(0, 100)
+    axes.grid(alpha=0.3)
+    axes.legend(loc=legend, fontsize=8)
+    figure.tight_layout()
+    out = Path(path)
+    temporary = out.with_name(f".{out.name}.tmp.png")
+    figure.savefig(temporary, dpi=120)
+    temporary.replace(out)
+
+
 def trace_figure(by_batch: dict[int, list[dict]], path: str) -> int:
     """Each traced row's accuracy after every step against its seconds (one line per update, a colour per B);
     returns how many rows were drawn (none: no figure)."""
@@ -65,15 +78,7 @@ def trace_figure(by_batch: dict[int, list[dict]], path: str) -> int:
     for batch, colour in colours.items():
         axes.plot([], [], color=colour, label=f"B = {batch}")
     axes.set_xlabel("seconds since the attack began")
-    axes.set_ylabel("token accuracy (%)")
-    axes.set_ylim(0, 100)
-    axes.grid(alpha=0.3)
-    axes.legend(loc="lower right", fontsize=8)
-    figure.tight_layout()
-    out = Path(path)
-    temporary = out.with_name(f".{out.name}.tmp.png")
-    figure.savefig(temporary, dpi=120)
-    temporary.replace(out)
+    _finish(figure, axes, "lower right", path)
     plt.close(figure)
     return len(traced)
 
@@ -104,16 +109,8 @@ def main(argv: list[str] | None = None) -> None:
         axes.set_xscale("log", base=2)
         axes.set_xticks(batches, [str(b) for b in batches])
         axes.set_xlabel("sequences per update (B)")
-        axes.set_ylabel("token accuracy (%)")
-        axes.set_ylim(0, 100)
-        axes.grid(alpha=0.3)
-        axes.legend(loc="lower left", fontsize=8)
-        figure.tight_layout()
-        out = Path(args.out)
-        temporary = out.with_name(f".{out.name}.tmp.png")
-        figure.savefig(temporary, dpi=120)
-        temporary.replace(out)
-        print(f"figure: {out}")
+        _finish(figure, axes, "lower left", args.out)
+        print(f"figure: {args.out}")
     if args.trace_out:
         drawn = trace_figure(by_batch, args.trace_out)
         print(f"trace figure: {args.trace_out} ({drawn} updates)" if drawn else "no row holds a trace: no trace figure")
