@@ -520,3 +520,21 @@ def test_batched_curve_takes_a_later_files_row_of_the_same_update_in_place_of_th
     module = load_benchmark("tools.batched_curve")
     module.main([str(earlier), str(later)])
     assert "| 4 | 2 | 100.0 | **80.0** |" in capsys.readouterr().out
+
+
+def test_lora_batch_progress_appends_each_step_scored_as_it_comes(tmp_path):
+    """`lora_batch --progress`: each step of an attack, as the attack reaches it, is one line with the token
+    accuracy of that step's sequences (matched to the batch as the metrics do); no file, no callback."""
+    import torch
+
+    module = load_benchmark("investigations.batched.lora_batch")
+    assert module.progress_writer(None, 2, 0, "evaluation", torch.zeros(2, 4), str) is None
+    ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    path = tmp_path / "sub" / "progress.jsonl"
+    write = module.progress_writer(str(path), 2, 3, "auxiliary_tail", ids, lambda t: " ".join(map(str, t)))
+    write("search", 1.234, [[5, 6, 0, 0], [9, 9, 9, 9]])  # half of one sequence right: 2 of 8 tokens
+    write("second_refine", 5.0, [[5, 6, 7, 8], [1, 2, 3, 4]])  # both right, in the other order
+    points = [json.loads(line) for line in path.read_text().splitlines()]
+    assert points == [
+        {"B": 2, "update": 3, "split": "auxiliary_tail", "step": "search", "seconds": 1.23, "token_acc": 0.25},
+        {"B": 2, "update": 3, "split": "auxiliary_tail", "step": "second_refine", "seconds": 5.0, "token_acc": 1.0}]

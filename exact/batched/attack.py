@@ -202,16 +202,20 @@ class BatchedLoRA:
 
     @torch.no_grad()
     def attack(self, update: dict[str, Tensor], batch_size: int, length: int,
-               simulate: Callable[[list[list[int]]], Tensor] | None = None, flat: Tensor | None = None) -> BatchedResult:
-        """`update`: {name: gradient} of one client (B sequences of `length` tokens averaged)."""
+               simulate: Callable[[list[list[int]]], Tensor] | None = None, flat: Tensor | None = None,
+               on_step: OnStep | None = None) -> BatchedResult:
+        """`update`: {name: gradient} of one client (B sequences of `length` tokens averaged). `on_step(step, seconds,
+        sequences)` is called at each point of the trace as it is reached, the second search's steps named
+        "second_search", "second_refine"... (a long attack's curve, written as it comes)."""
         clock = _Clock()  # one clock for both searches: the trace's times count from the attack's start
         result = self._search(update, batch_size, length, simulate, flat, self.site_weights, self.options.lm_weight,
-                              clock.began)
+                              _Trace(clock.began, on_step))
         doubtful = result.residual is not None and result.residual > self.options.second_opinion_above
         if self.second_opinion is None or not doubtful:
             return result
         sites, lm = self.second_opinion
-        second = self._search(update, batch_size, length, simulate, flat, sites, lm, clock.began)
+        second = self._search(update, batch_size, length, simulate, flat, sites, lm,
+                              _Trace(clock.began, on_step, "second_"))
         kept = second if second.residual < result.residual else result
         kept.second_opinion = kept is second
         kept.other = result if kept is second else second
@@ -221,9 +225,9 @@ class BatchedLoRA:
 
     def _search(self, update: dict[str, Tensor], batch_size: int, length: int,
                 simulate: Callable[[list[list[int]]], Tensor] | None, flat: Tensor | None, site_weights: Tensor | None,
-                lm_weight: float, began: float) -> BatchedResult:
-        """One search under one scorer (`site_weights`, `lm_weight`); `began`: the attack's start (perf_counter)."""
-        clock = _Clock(began)
+                lm_weight: float, trace: _Trace) -> BatchedResult:
+        """One search under one scorer (`site_weights`, `lm_weight`); `trace` receives its steps."""
+        clock = _Clock(trace.began)
         rows = [site.rows(update).double() for site in self.sites]
         bag = somp(rows[0] @ self.whitening.vocabulary, self.dictionary,
                    self.options.pick_budget(batch_size, length), self.options.tolerance).tokens
@@ -238,7 +242,7 @@ class BatchedLoRA:
                                             label_candidates=self.options.label_candidates, labels=labels,
                                             **self._screen)
         clock.lap("search")
-        trace = [("search", clock.elapsed, [list(s) for s in sequences])]
+        trace.add("search", clock.elapsed, sequences)
         # With the server's simulation at hand, each sequence's refined version is kept only if it lowers the
         # refit residual (last tokens the LM's guesses), one sequence at a time; passes stop at the first that
         # keeps none. Without it, every pass is kept.
@@ -256,12 +260,12 @@ class BatchedLoRA:
             doubtful, kept = self._regrow(state, scorer, bag, length, lm_weight, simulate)
             regrown.append((doubtful, kept))
             clock.lap("regrow")
-            trace.append(("regrow", clock.elapsed, [list(s) for s in state.sequences]))
+            trace.add("regrow", clock.elapsed, state.sequences)
             if not kept:
                 break
         sequences, labels, current = state.sequences, state.labels, state.current
         result = BatchedResult(sequences, margins, bag, seconds=clock.seconds, kept_per_pass=kept_per_pass,
-                               regrown=regrown, trace=trace)
+                               regrown=regrown, trace=trace.points)
         if checked:
             # `current` (when refinement ran) already holds the simulated updates of `sequences`.
             current = simulate(sequences) if current is None else current
@@ -273,9 +277,8 @@ class BatchedLoRA:
         return result
 
     def _refine(self, state: _Refit, scorer: SpanScorer, bag: list[int], lm_weight: float, passes: int,
-                simulate: Callable[[list[list[int]]], Tensor] | None, clock: _Clock,
-                trace: list[tuple[str, float, list[list[int]]]]) -> list[int]:
-        """Refinement passes on `state` (changed in place, each pass's sequences appended to `trace`); returns the
+                simulate: Callable[[list[list[int]]], Tensor] | None, clock: _Clock, trace: _Trace) -> list[int]:
+        """Refinement passes on `state` (changed in place, each pass's sequences added to `trace`); returns the
         sequences each pass kept."""
         kept_per_pass: list[int] = []
         for _ in range(passes):
@@ -286,7 +289,7 @@ class BatchedLoRA:
                 sequence[-1] = label[0]
             if state.current is None:
                 state.sequences, state.labels = refined, refined_labels
-                trace.append(("refine", clock.elapsed, [list(s) for s in state.sequences]))
+                trace.add("refine", clock.elapsed, state.sequences)
                 continue
             trials = simulate(refined)
             kept = 0
@@ -296,7 +299,7 @@ class BatchedLoRA:
                 if state.replace({i: refined[i]}, trials[i : i + 1], {i: refined_labels[i]}):
                     kept += 1
             kept_per_pass.append(kept)
-            trace.append(("refine", clock.elapsed, [list(s) for s in state.sequences]))
+            trace.add("refine", clock.elapsed, state.sequences)
             if not kept:
                 break
         return kept_per_pass
@@ -349,6 +352,24 @@ class _Refit:
             others = torch.cat([self.current[:i], self.current[i + 1 :]])
             rises.append(least_squares_check(self.flat, others)[0] - self.residual)
         return sorted(sorted(range(len(rises)), key=lambda i: rises[i])[:count])
+
+
+#: A callback at each point of an attack's trace: (step, seconds since the attack began, the sequences then).
+OnStep = Callable[[str, float, list[list[int]]], None]
+
+
+class _Trace:
+    """One search's trace: its `points` (as `BatchedResult.trace` holds them), each also given to `on_step` as it is
+    reached, its step named with `prefix`. `began`: the attack's start (perf_counter)."""
+
+    def __init__(self, began: float, on_step: OnStep | None = None, prefix: str = "") -> None:
+        self.began, self.on_step, self.prefix = began, on_step, prefix
+        self.points: list[tuple[str, float, list[list[int]]]] = []
+
+    def add(self, step: str, seconds: float, sequences: list[list[int]]) -> None:
+        self.points.append((step, seconds, [list(s) for s in sequences]))
+        if self.on_step is not None:
+            self.on_step(self.prefix + step, seconds, [list(s) for s in sequences])
 
 
 class _Clock:

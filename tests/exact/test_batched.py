@@ -643,8 +643,16 @@ def test_a_doubted_result_is_searched_again_with_the_second_scorer_and_the_lower
     assert first.second_opinion is None and first.residual > 1e-3
     doubting = BatchedLoRA(pipe.target, list(pipe.names), whitening, BatchedOptions(second_opinion_above=0.0, **options),
                            site_weights=silent, second_opinion=(every, 0.0))
-    result = doubting.attack(update, 2, 5, simulate, flat)
+    reached = []
+    result = doubting.attack(update, 2, 5, simulate, flat,
+                             on_step=lambda step, at, sequences: reached.append((step, at, sequences)))
     assert result.other is not None and first.residual in (result.residual, result.other.residual)
+    # Every point of both searches reached the callback as it came, in time; the second's named as such, and those of
+    # the search kept are its trace.
+    assert [step for step, _, _ in reached] == [step for step, _, _ in first.trace] + [
+        "second_" + step for step, _, _ in result.trace]
+    assert [at for _, at, _ in reached] == sorted(at for _, at, _ in reached)
+    assert [(step.removeprefix("second_"), at, seq) for step, at, seq in reached[len(first.trace):]] == result.trace
     assert result.residual == min(result.residual, result.other.residual)
     assert any(key.startswith("second_") for key in result.seconds)
     # The sites' own search reads more of these inputs than the random prior: the second opinion wins here.

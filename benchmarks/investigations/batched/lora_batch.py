@@ -130,6 +130,25 @@ def result_row(found, ids: torch.Tensor, decode, seconds: float) -> dict:
     return row
 
 
+def progress_writer(path: str | None, batch: int, update: int, split: str, ids: torch.Tensor, decode):
+    """An attack's `on_step` appending each step's token accuracy to the JSONL file `path` as it comes (None: no
+    file, no callback)."""
+    if path is None:
+        return None
+    from datamodules.metrics import score_batch
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+
+    def write(step: str, seconds: float, sequences: list[list[int]]) -> None:
+        scores = score_batch(sequences, ids, None, decode)
+        point = {"B": batch, "update": update, "split": split, "step": step, "seconds": round(seconds, 2),
+                 "token_acc": scores["correct"] / scores["tokens"]}
+        with open(path, "a") as log:
+            log.write(json.dumps(point) + "\n")
+
+    return write
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/audit/inverter_smollm2_lora.yaml", help="the threat model")
@@ -181,6 +200,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--whitening-blocks", type=int, default=512, help="auxiliary blocks the whitening reads")
     parser.add_argument("--whitening-cache", default="runs/whitening/smollm2_lora.safetensors")
     parser.add_argument("--out", required=True, help="JSONL file: one line per update")
+    parser.add_argument("--progress", default=None,
+                        help="JSONL file: one line per step of each attack as it is reached (B, update, step, seconds, "
+                             "token accuracy), so a long update's curve survives its interruption")
     args = parser.parse_args(argv)
 
     from exact.batched import BatchedLoRA
@@ -218,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
                                                seed=7919 * batch + k)
                 began = time.perf_counter()
                 found = attack.attack(split, batch, ids.shape[1], simulate if args.label_candidates > 0 else None,
-                                      update)
+                                      update, on_step=progress_writer(args.progress, batch, k, args.split, ids, decode))
                 seconds = time.perf_counter() - began
                 row = {"B": batch, "L": ids.shape[1], "update": k, "split": args.split, "lm_weight": args.lm_weight,
                        "beam": args.beam, "pick_budget": options.pick_budget(batch, ids.shape[1]),
