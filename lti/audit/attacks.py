@@ -229,11 +229,14 @@ class RoundAttacks:
     def attack(self, sent: dict[str, Tensor], replies: dict[int, dict[str, Tensor]],
                batches: dict[int, Tensor]) -> dict[str, dict]:
         """{attack: scores} over the clients' updates of a round. `batches[c]`: (B, L) true ids of client c."""
+        from tqdm.auto import tqdm
+
         load_adapter_state(self.pipeline, sent)
         names = list(self.pipeline.names)
         tallies: dict[str, Tally] = {}
         seconds: dict[str, float] = {}
-        for kept, client in enumerate(sorted(replies)):
+        # A batched update takes minutes on a CPU: a bar per update, under the audit's bar per round.
+        for kept, client in enumerate(tqdm(sorted(replies), desc="attacking updates", unit="update", leave=False)):
             update = observed_update(sent, replies[client], self.lr, names, self.steps)
             ids = batches[client]
             for attack in self.attacks:

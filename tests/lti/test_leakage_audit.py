@@ -68,7 +68,7 @@ def test_the_wrapper_reads_what_the_clients_sent_and_the_strategy_aggregates_as_
     assert summary["threat_model"]["observed"] == threat.pipeline.spec.to_dict()
 
 
-def test_the_wrappers_scores_equal_the_audits_round_attacks_on_the_same_updates(tmp_path):
+def test_the_wrappers_scores_equal_the_audits_round_attacks_on_the_same_updates(tmp_path, capsys):
     """The same updates read through the wrapper (the `Attack` interface) and through the audit's `RoundAttacks`:
     the same reconstructions, so the same scores."""
     pipeline = tiny_pipeline()
@@ -96,7 +96,9 @@ def test_the_wrappers_scores_equal_the_audits_round_attacks_on_the_same_updates(
     sent = seen[("sent", 1)].to_torch_state_dict()
     for node, arrays in seen[("replies", 1)].items():
         ids = random_data(node - 1000, 1)["input_ids"][0]
+        capsys.readouterr()
         expected = reference.attack(sent, {node: arrays.to_torch_state_dict()}, {node: ids})
+        assert "attacking updates" in capsys.readouterr().err  # the bar per update
         row = next(r for r in report["updates"] if r["node"] == node)
         for name in ("dager", "batched"):
             got = row["attacks"][name]["scores"]
