@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from exact.batched.bag import pick_budget, somp
 from exact.batched.search import (
     SCREEN_PRECISIONS,
+    ExtensionCache,
     SpanScorer,
     grow_sequences,
     likeliest_labels,
@@ -73,6 +74,10 @@ class BatchedOptions(OptionGroup):
             2.7 times as fast, but autocast casts every activation), so float32 stays the default.
         label_candidates: The last token of each sequence (a label, never an input) is chosen among the global
             model's this many likeliest by the least-squares refit of the update (1: the likeliest).
+        extension_cache_gib: Memory (GiB) for the site inputs of extensions already computed in an attack, reused
+            when a later step extends the same prefix by the same token (`search.ExtensionCache`; 0: none). Refinement
+            regrows every sequence each pass, and the sequences already right explore the prefixes they explored the
+            pass before. A reused input may differ from a recompute by float rounding.
         second_opinion_above: With the server's simulation and a second scorer (`BatchedLoRA(second_opinion=...)`,
             e.g. the learned one), a result whose refit residual is above this is searched again with that
             scorer, and the result of lower residual is kept (chosen on the auxiliary tail: below about 0.3 a
@@ -92,6 +97,7 @@ class BatchedOptions(OptionGroup):
     screen_sites: int = 8
     shortlist: int = 64
     screen_precision: Literal["float32", "bfloat16"] = "float32"
+    extension_cache_gib: float = 0.0
     second_opinion_above: float = 0.3
 
     def pick_budget(self, batch_size: int, length: int) -> int:
@@ -136,6 +142,8 @@ class BatchedOptions(OptionGroup):
             raise ValueError(f"screen_sites={self.screen_sites} and shortlist={self.shortlist} must be >= 0")
         if self.screen_precision not in SCREEN_PRECISIONS:
             raise ValueError(f"screen_precision={self.screen_precision!r} must be one of {', '.join(SCREEN_PRECISIONS)}")
+        if not (math.isfinite(self.extension_cache_gib) and self.extension_cache_gib >= 0):
+            raise ValueError(f"extension_cache_gib={self.extension_cache_gib} must be finite and >= 0 (0: no cache)")
         if self.label_candidates < 1:
             raise ValueError(f"label_candidates={self.label_candidates} must be >= 1")
         if not self.second_opinion_above >= 0:
@@ -163,6 +171,8 @@ class BatchedResult:
     #: refinement pass ("refine") and regrowth attempt ("regrow"); their last tokens are the LM's guesses, before the
     #: refit chooses the labels. A curve of what each step bought, at what time.
     trace: list[tuple[str, float, list[list[int]]]] = field(default_factory=list)
+    #: With an extension cache: the extensions the attack ran through the model ("computed") and those it reused.
+    extensions: dict[str, int] = field(default_factory=dict)
 
     @property
     def certified(self) -> bool:
@@ -208,25 +218,28 @@ class BatchedLoRA:
         sequences)` is called at each point of the trace as it is reached, the second search's steps named
         "second_search", "second_refine"... (a long attack's curve, written as it comes)."""
         clock = _Clock()  # one clock for both searches: the trace's times count from the attack's start
+        gib = self.options.extension_cache_gib
+        cache = ExtensionCache(int(gib * 2**30)) if gib > 0 else None  # both searches extend under one model
         result = self._search(update, batch_size, length, simulate, flat, self.site_weights, self.options.lm_weight,
-                              _Trace(clock.began, on_step))
+                              _Trace(clock.began, on_step), cache)
         doubtful = result.residual is not None and result.residual > self.options.second_opinion_above
         if self.second_opinion is None or not doubtful:
-            return result
+            return _counted(result, cache)
         sites, lm = self.second_opinion
         second = self._search(update, batch_size, length, simulate, flat, sites, lm,
-                              _Trace(clock.began, on_step, "second_"))
+                              _Trace(clock.began, on_step, "second_"), cache)
         kept = second if second.residual < result.residual else result
         kept.second_opinion = kept is second
         kept.other = result if kept is second else second
         kept.seconds = {**{k: v for k, v in result.seconds.items()},
                         **{f"second_{k}": v for k, v in second.seconds.items()}}
-        return kept
+        return _counted(kept, cache)
 
     def _search(self, update: dict[str, Tensor], batch_size: int, length: int,
                 simulate: Callable[[list[list[int]]], Tensor] | None, flat: Tensor | None, site_weights: Tensor | None,
-                lm_weight: float, trace: _Trace) -> BatchedResult:
-        """One search under one scorer (`site_weights`, `lm_weight`); `trace` receives its steps."""
+                lm_weight: float, trace: _Trace, cache: ExtensionCache | None = None) -> BatchedResult:
+        """One search under one scorer (`site_weights`, `lm_weight`); `trace` receives its steps; `cache`: the attack's
+        extension cache, if any."""
         clock = _Clock(trace.began)
         rows = [site.rows(update).double() for site in self.sites]
         bag = somp(rows[0] @ self.whitening.vocabulary, self.dictionary,
@@ -240,7 +253,7 @@ class BatchedLoRA:
         sequences, margins = grow_sequences(self.target, self.sites, scorer, bag, batch_size, length,
                                             lm_weight, beam=self.options.beam,
                                             label_candidates=self.options.label_candidates, labels=labels,
-                                            **self._screen)
+                                            cache=cache, **self._screen)
         clock.lap("search")
         trace.add("search", clock.elapsed, sequences)
         # With the server's simulation at hand, each sequence's refined version is kept only if it lowers the
@@ -253,11 +266,11 @@ class BatchedLoRA:
         kept_per_pass: list[int] = []
         regrown: list[tuple[list[int], bool]] = []
         for attempt in range(attempts + 1):
-            kept_per_pass += self._refine(state, scorer, bag, lm_weight, passes, simulate, clock, trace)
+            kept_per_pass += self._refine(state, scorer, bag, lm_weight, passes, simulate, clock, trace, cache)
             clock.lap("refine")
             if attempt == attempts:
                 break
-            doubtful, kept = self._regrow(state, scorer, bag, length, lm_weight, simulate)
+            doubtful, kept = self._regrow(state, scorer, bag, length, lm_weight, simulate, cache)
             regrown.append((doubtful, kept))
             clock.lap("regrow")
             trace.add("regrow", clock.elapsed, state.sequences)
@@ -277,13 +290,14 @@ class BatchedLoRA:
         return result
 
     def _refine(self, state: _Refit, scorer: SpanScorer, bag: list[int], lm_weight: float, passes: int,
-                simulate: Callable[[list[list[int]]], Tensor] | None, clock: _Clock, trace: _Trace) -> list[int]:
+                simulate: Callable[[list[list[int]]], Tensor] | None, clock: _Clock, trace: _Trace,
+                cache: ExtensionCache | None = None) -> list[int]:
         """Refinement passes on `state` (changed in place, each pass's sequences added to `trace`); returns the
         sequences each pass kept."""
         kept_per_pass: list[int] = []
         for _ in range(passes):
             refined = refine_sequences(self.target, self.sites, scorer, bag, state.sequences, lm_weight,
-                                       **self._refinement)
+                                       cache=cache, **self._refinement)
             refined_labels = likeliest_labels(self.target, refined, self.options.label_candidates)
             for sequence, label in zip(refined, refined_labels):
                 sequence[-1] = label[0]
@@ -305,7 +319,8 @@ class BatchedLoRA:
         return kept_per_pass
 
     def _regrow(self, state: _Refit, scorer: SpanScorer, bag: list[int], length: int, lm_weight: float,
-                simulate: Callable[[list[list[int]]], Tensor]) -> tuple[list[int], bool]:
+                simulate: Callable[[list[list[int]]], Tensor],
+                cache: ExtensionCache | None = None) -> tuple[list[int], bool]:
         """The sequences the refit explains least grown again jointly, the others' inputs known; kept (in `state`)
         if the refit residual falls. Returns (their indices, whether kept)."""
         batch_size = len(state.sequences)
@@ -315,7 +330,7 @@ class BatchedLoRA:
         labels: list[list[int]] = []
         grown, _ = grow_sequences(self.target, self.sites, scorer, bag, len(doubtful), length, lm_weight,
                                   beam=self.options.beam, label_candidates=self.options.label_candidates,
-                                  labels=labels, fixed=fixed, **self._screen)
+                                  labels=labels, fixed=fixed, cache=cache, **self._screen)
         kept = state.replace(dict(zip(doubtful, grown)), simulate(grown), dict(zip(doubtful, labels)))
         return doubtful, kept
 
@@ -352,6 +367,13 @@ class _Refit:
             others = torch.cat([self.current[:i], self.current[i + 1 :]])
             rises.append(least_squares_check(self.flat, others)[0] - self.residual)
         return sorted(sorted(range(len(rises)), key=lambda i: rises[i])[:count])
+
+
+def _counted(result: BatchedResult, cache: ExtensionCache | None) -> BatchedResult:
+    """`result` with the attack's extension counts, when it had a cache."""
+    if cache is not None:
+        result.extensions = {"computed": cache.computed, "reused": cache.reused}
+    return result
 
 
 #: A callback at each point of an attack's trace: (step, seconds since the attack began, the sequences then).

@@ -19,6 +19,7 @@ re-simulates the sequences' gradients and fits the update. Plain PyTorch.
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -169,6 +170,45 @@ def _step(lm: nn.Module, tokens: Tensor, cache=None) -> tuple[Tensor, object]:
     return out.logits[:, -1].float().log_softmax(-1), out["cache" if "cache" in out else "past_key_values"]
 
 
+class ExtensionCache:
+    """Site inputs of extensions (a prefix and one more token) an attack already computed, reused when a later step
+    extends the same prefix by the same token: refinement regrows every sequence each pass, and a sequence already
+    right (most of them, late in the passes) explores the prefixes it explored the pass before.
+
+    An entry holds the first n sites' inputs of one extension (n: the most any request for it wanted), keyed by the
+    screen's precision too; the least recently used go once the entries hold `max_bytes`. A reused input is the
+    one computed before, in another batch of extensions, so it may differ from a recompute by float rounding."""
+
+    def __init__(self, max_bytes: int) -> None:
+        if max_bytes <= 0:
+            raise ValueError(f"max_bytes={max_bytes} must be > 0")
+        self.max_bytes = max_bytes
+        self.entries: OrderedDict[tuple, Tensor] = OrderedDict()
+        self.bytes = 0
+        self.reused = 0  #: extensions served from the cache
+        self.computed = 0  #: extensions run through the model
+
+    def get(self, key: tuple, sites: int) -> Tensor | None:
+        """The first `sites` sites' inputs (sites, d) of the extension `key`, if held for that many sites."""
+        entry = self.entries.get(key)
+        if entry is None or entry.shape[0] < sites:
+            return None
+        self.entries.move_to_end(key)
+        return entry[:sites]
+
+    def put(self, key: tuple, inputs: Tensor) -> None:
+        """Hold `inputs` (sites, d) for `key` (replacing an entry of fewer sites), then drop the least recently used
+        entries beyond `max_bytes`."""
+        old = self.entries.pop(key, None)
+        if old is not None:
+            self.bytes -= old.nbytes
+        self.entries[key] = inputs
+        self.bytes += inputs.nbytes
+        while self.bytes > self.max_bytes and self.entries:
+            _, dropped = self.entries.popitem(last=False)
+            self.bytes -= dropped.nbytes
+
+
 class Prefixes:
     """Prefixes (P, p) run once through the global model: `logp` (P, V), their next token's log-probabilities,
     `inputs`, their own site inputs (P, p, d) per site, and `extend(rows, tokens)`, the site inputs of prefix
@@ -185,6 +225,7 @@ class Prefixes:
         self.inputs = capture_site_inputs(target, sites, lambda: stepped.append(_step(lm, ids)))
         self.logp, self.cache = stepped[0]
         self.length = ids.shape[1]
+        self.tokens = ids  #: (P, p) the prefixes' tokens (the keys of an `ExtensionCache`)
 
     def advance(self, rows: Tensor, tokens: Tensor) -> Prefixes:
         """The prefixes `rows[k]` extended by `tokens[k]`: only the new position runs through the model (from a
@@ -198,16 +239,40 @@ class Prefixes:
         out.logp, out.cache = stepped[0]
         out.inputs = [torch.cat([old[rows], h.to(old)], dim=1) for old, h in zip(self.inputs, new)]
         out.length = self.length + 1
+        out.tokens = torch.cat([self.tokens[rows], tokens[:, None].to(self.tokens)], dim=1)
         return out
 
-    def extend(self, rows: Tensor, tokens: Tensor, upto: int | None = None,
-               precision: str = "float32") -> list[Tensor]:
+    def extend(self, rows: Tensor, tokens: Tensor, upto: int | None = None, precision: str = "float32",
+               cache: ExtensionCache | None = None) -> list[Tensor]:
         """(K, d) per site (the first `upto` sites only: the forward pass stops there; without `upto` it stops at
         the last site, as `adapter_sites` lists the sites in the order the model runs them). `precision`
         "bfloat16": the matrix products run under bfloat16 autocast and the site inputs come back in the model's
-        dtype (for a screen, which only shortlists)."""
+        dtype (for a screen, which only shortlists). `cache`: extensions it holds are not run again, and those run
+        are put in it."""
         if precision not in SCREEN_PRECISIONS:
             raise ValueError(f"precision={precision!r} must be one of {', '.join(SCREEN_PRECISIONS)}")
+        if cache is None:
+            return self._extend(rows, tokens, upto, precision)
+        sites = len(self.sites) if upto is None else upto
+        prefixes = [tuple(p) for p in self.tokens.tolist()]
+        keys = [(precision, prefixes[r], t) for r, t in zip(rows.tolist(), tokens.tolist())]
+        found = [cache.get(key, sites) for key in keys]
+        missing = [k for k, entry in enumerate(found) if entry is None]
+        cache.reused += len(keys) - len(missing)
+        cache.computed += len(missing)
+        if missing:
+            where = torch.tensor(missing, device=rows.device)
+            computed = torch.stack(self._extend(rows[where], tokens[where], upto, precision), dim=1)  # (m, sites, d)
+            for j, k in enumerate(missing):
+                found[k] = computed[j].clone()  # its own storage: an entry must not hold the whole batch alive
+                cache.put(keys[k], found[k])
+        if not found:
+            return [self.inputs[0].new_zeros(0, self.inputs[0].shape[-1]) for _ in range(sites)]
+        together = torch.stack(found)  # (K, sites, d)
+        return [together[:, site] for site in range(sites)]
+
+    def _extend(self, rows: Tensor, tokens: Tensor, upto: int | None, precision: str) -> list[Tensor]:
+        """`extend` without a cache: every extension through the model, in chunks."""
         chunk = max(1, self.CHUNK_TOKENS // self.length)
         dtype = self.inputs[0].dtype
         parts = []
@@ -231,7 +296,8 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
                    label_candidates: int = 1, labels: list[list[int]] | None = None,
                    others: list[list[Tensor]] | None = None, screen_sites: int = 0,
                    shortlist: int = 0, fixed: list[Tensor] | None = None,
-                   screen_precision: str = "float32") -> tuple[list[list[int]], list[list[float]]]:
+                   screen_precision: str = "float32",
+                   cache: ExtensionCache | None = None) -> tuple[list[list[int]], list[list[float]]]:
     """B sequences of `length` tokens grown over the bag (each token usable any number of times), and each
     chosen token's margin over the runner-up (a confidence; the last token's is its LM log-probability
     margin). `labels`, if given, receives each sequence's `label_candidates` likeliest last tokens.
@@ -246,7 +312,8 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
     `screen_sites` sites alone, weighed alike (the forward pass stops there; deflated by the inputs known
     when the position starts), and only the `shortlist` best per sequence run through every site; 0 scores
     every extension at every site. `screen_precision` "bfloat16": the screen's forward pass runs under bfloat16
-    autocast (the full pass, which chooses, stays in the model's precision).
+    autocast (the full pass, which chooses, stays in the model's precision). `cache`: extensions computed before
+    (by this search or an earlier one of the same attack) are reused (`ExtensionCache`).
 
     The extensions of all B sequences' beams run through the model together (their inputs do not depend on
     each other); only their scores do, through deflation, so the choices are made sequence by sequence."""
@@ -341,7 +408,7 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
         prior = lm_weight * run.logp[rows, tokens].double()
         if 0 < screen_sites < len(sites) and 0 < shortlist < max(len(b) for b in beams) * len(bag):
             screen = range(screen_sites)
-            early_inputs = run.extend(rows, tokens, screen_sites, screen_precision)
+            early_inputs = run.extend(rows, tokens, screen_sites, screen_precision, cache)
             keep = []
             for i in range(batch_size):
                 mine = (owner == i).nonzero()[:, 0]
@@ -352,7 +419,7 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
                 keep.append(mine[total.topk(min(shortlist, mine.numel())).indices])
             kept = torch.cat(keep)
             rows, tokens, owner, cumulative, prior = rows[kept], tokens[kept], owner[kept], cumulative[kept], prior[kept]
-        inputs = run.extend(rows, tokens)
+        inputs = run.extend(rows, tokens, cache=cache)
         sources: list[int] = []  # the next position's prefixes: their rows in `run` and their new tokens
         chosen: list[int] = []
         known = at_start(0)[0] if others is None else None
@@ -398,7 +465,8 @@ def sequence_inputs(target: nn.Module, sites: list[Site], sequences: list[list[i
 @torch.no_grad()
 def refine_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag: list[int],
                      sequences: list[list[int]], lm_weight: float = 0.0, beam: int = 1, screen_sites: int = 0,
-                     shortlist: int = 0, screen_precision: str = "float32") -> list[list[int]]:
+                     shortlist: int = 0, screen_precision: str = "float32",
+                     cache: ExtensionCache | None = None) -> list[list[int]]:
     """One pass of refinement: every sequence grown again with every other sequence's inputs (all their
     positions, as found so far) known. With the others right, the rows' unknown inputs are this sequence's
     own L - 1, fewer than a site's 2r rows at L <= 2r: the span test becomes a membership test. The B
@@ -409,7 +477,7 @@ def refine_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, b
     others = [[torch.cat([h[:i], h[i + 1 :]]).reshape(-1, h.shape[-1]) for h in inputs] for i in range(len(sequences))]
     grown, _ = grow_sequences(target, sites, scorer, bag, len(sequences), len(sequences[0]), lm_weight, beam=beam,
                               others=others, screen_sites=screen_sites, shortlist=shortlist,
-                              screen_precision=screen_precision)
+                              screen_precision=screen_precision, cache=cache)
     return [g[:-1] + [s[-1]] for g, s in zip(grown, sequences)]  # the last token stays the refit's to choose
 
 

@@ -665,3 +665,64 @@ def test_a_doubted_result_is_searched_again_with_the_second_scorer_and_the_lower
                            second_opinion=(every, 0.0))
     kept = trusting.attack(update, 2, 5, simulate, flat)
     assert kept.second_opinion is None and kept.sequences == first.sequences
+
+
+def test_the_extension_cache_holds_the_most_sites_asked_for_and_drops_the_least_recently_used():
+    from exact.batched.search import ExtensionCache
+
+    cache = ExtensionCache(max_bytes=3 * 4 * 2 * 8)  # three float32 entries of 2 sites x 8
+    entry = lambda v: torch.full((2, 8), float(v))  # noqa: E731
+    for k in range(3):
+        cache.put(("float32", (1,), k), entry(k))
+    assert cache.bytes == 3 * 64 and torch.equal(cache.get(("float32", (1,), 0), 2), entry(0))
+    assert cache.get(("float32", (1,), 0), 3) is None  # holds 2 sites, not 3
+    assert cache.get(("bfloat16", (1,), 0), 1) is None  # another precision is another key
+    assert torch.equal(cache.get(("float32", (1,), 1), 1), entry(1)[:1])
+    cache.put(("float32", (1,), 3), entry(3))  # over the bound: the least recently used (2) goes
+    assert cache.get(("float32", (1,), 2), 1) is None and len(cache.entries) == 3 and cache.bytes == 3 * 64
+    cache.put(("float32", (1,), 0), torch.zeros(1, 8))  # replaced, its bytes counted once
+    assert cache.bytes == 2 * 64 + 32
+    with pytest.raises(ValueError, match="max_bytes=0 must be > 0"):
+        ExtensionCache(0)
+
+
+def test_a_cached_extension_equals_a_recompute_and_is_not_run_again():
+    """Through `Prefixes.extend`: the first call runs every extension and holds them; asked again (also at fewer
+    sites, as a screen asks) nothing runs and the inputs are those held; asked at more sites than held, it runs
+    again. Each equals `extend` without a cache (a slow reference: every extension through the model)."""
+    from exact.batched.search import ExtensionCache, Prefixes
+
+    pipe = pipeline(1)
+    sites = adapter_sites(list(pipe.names))
+    ids = torch.randint(0, VOCAB, (2, 4), generator=torch.Generator().manual_seed(10))
+    run = Prefixes(pipe.target, sites, ids)
+    rows, tokens = torch.tensor([1, 0, 1]), torch.tensor([7, 8, 200])
+    reference = run.extend(rows, tokens)
+    cache = ExtensionCache(2**20)
+    screen = run.extend(rows, tokens, 1, cache=cache)
+    assert (cache.computed, cache.reused) == (3, 0) and torch.allclose(screen[0], reference[0], atol=1e-6)
+    full = run.extend(rows, tokens, cache=cache)  # all sites: more than held, so run again
+    assert (cache.computed, cache.reused) == (6, 0)
+    again = run.extend(rows[[2, 0]], tokens[[2, 0]], 1, cache=cache)
+    assert (cache.computed, cache.reused) == (6, 2) and torch.equal(again[0], full[0][[2, 0]])
+    for got, want in zip(full, reference):
+        assert torch.allclose(got, want, atol=1e-5)
+    # The same prefix tokens reached by another path (advanced from a shorter prefix) hit the same entries.
+    shorter = Prefixes(pipe.target, sites, ids[:, :3]).advance(torch.tensor([1]), ids[1, 3:])
+    reached = shorter.extend(torch.tensor([0]), torch.tensor([7]), cache=cache)
+    assert cache.reused == 3 and torch.equal(reached[-1], full[-1][:1])
+    assert run.extend(rows[:0], tokens[:0], cache=cache)[0].shape == (0, reference[0].shape[1])
+
+
+def test_an_attack_with_the_extension_cache_reads_what_it_reads_without_and_reuses_refinements_extensions():
+    from exact.batched import BatchedLoRA, BatchedOptions
+
+    pipe, ids, update, flat, simulate, sites, whitening = checked_batch_of(4, 21)
+    options = dict(beam=2, label_candidates=1, refine=2, regrow=0, screen_sites=1, shortlist=4)
+    without = BatchedLoRA(pipe.target, list(pipe.names), whitening, BatchedOptions(**options)).attack(update, 4, 5)
+    cached = BatchedLoRA(pipe.target, list(pipe.names), whitening,
+                         BatchedOptions(extension_cache_gib=0.01, **options)).attack(update, 4, 5)
+    assert cached.sequences == without.sequences and without.extensions == {}
+    assert cached.extensions["reused"] > 0 and cached.extensions["computed"] > 0
+    with pytest.raises(ValueError, match=r"extension_cache_gib=-1.0 must be finite and >= 0"):
+        BatchedOptions(extension_cache_gib=-1)

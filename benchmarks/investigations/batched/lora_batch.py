@@ -119,7 +119,7 @@ def result_row(found, ids: torch.Tensor, decode, seconds: float) -> dict:
            "exact": scores["exact_fraction"], "seconds": seconds, "residual": found.residual,
            "certified": found.certified, "phase_seconds": {k: round(v, 2) for k, v in found.seconds.items()},
            "second_opinion": found.second_opinion, "kept_per_pass": found.kept_per_pass,
-           "regrown": [[doubtful, kept] for doubtful, kept in found.regrown]}
+           "regrown": [[doubtful, kept] for doubtful, kept in found.regrown], "extensions": found.extensions}
     # Token accuracy after each step of the search kept (its last tokens the LM's guesses, before the refit's labels).
     row["trace"] = [[step, round(at, 2), score_batch(sequences, ids, None, decode)["correct"] / scores["tokens"]]
                     for step, at, sequences in found.trace]
@@ -191,6 +191,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="extensions per sequence scored by every site after the screen")
     parser.add_argument("--screen-precision", default=BatchedOptions.screen_precision, choices=SCREEN_PRECISIONS,
                         help="the screen's forward pass precision (bfloat16: autocast)")
+    parser.add_argument("--extension-cache-gib", type=float, default=BatchedOptions.extension_cache_gib,
+                        help="memory for extensions' site inputs reused by later steps of an attack (0: none)")
     parser.add_argument("--scorer", default=None, help="learned scorer weights (train_scorer's output); "
                         "their prior weight replaces --lm-weight")
     parser.add_argument("--second-opinion", default=None,
@@ -221,7 +223,8 @@ def main(argv: list[str] | None = None) -> None:
                              refine_beam=args.refine_beam, refine_shortlist=args.refine_shortlist,
                              refine_screen_sites=args.refine_screen_sites, regrow=args.regrow,
                              screen_sites=args.screen_sites, shortlist=args.shortlist,
-                             screen_precision=args.screen_precision, second_opinion_above=args.second_opinion_above)
+                             screen_precision=args.screen_precision, extension_cache_gib=args.extension_cache_gib,
+                             second_opinion_above=args.second_opinion_above)
     second = None
     if args.second_opinion:
         other = ScorerWeights.load(args.second_opinion, bench.fingerprint, len(bench.sites))
@@ -250,7 +253,8 @@ def main(argv: list[str] | None = None) -> None:
                        "refine_screen_sites": options.refine_screen_sites,
                        "regrow": options.regrow_attempts(batch) if args.label_candidates > 0 else 0,
                        "screen_sites": args.screen_sites, "shortlist": args.shortlist,
-                       "screen_precision": args.screen_precision, "scorer": args.scorer,
+                       "screen_precision": args.screen_precision, "extension_cache_gib": args.extension_cache_gib,
+                       "scorer": args.scorer,
                        "clip_norm": args.clip_norm, "local_epochs": args.local_epochs,
                        "local_dp_epsilon": args.local_dp_epsilon,
                        "local_dp_delta": args.local_dp_delta if args.local_dp_epsilon is not None else None,
