@@ -538,3 +538,30 @@ def test_lora_batch_progress_appends_each_step_scored_as_it_comes(tmp_path):
     assert points == [
         {"B": 2, "update": 3, "split": "auxiliary_tail", "step": "search", "seconds": 1.23, "token_acc": 0.25},
         {"B": 2, "update": 3, "split": "auxiliary_tail", "step": "second_refine", "seconds": 5.0, "token_acc": 1.0}]
+
+
+def test_batched_curve_draws_an_update_stopped_before_its_row_from_its_progress_file(tmp_path, capsys, monkeypatch):
+    """`--progress`: the steps of an update whose row was never written are drawn in the trace figure; an update
+    that has a row is drawn once, from the row."""
+    module = load_benchmark("tools.batched_curve")
+    progress = tmp_path / "progress.jsonl"
+    points = [(16, 0, "search", 100.0, 0.2), (16, 0, "refine", 300.0, 0.3), (8, 5, "search", 10.0, 0.5)]
+    progress.write_text("".join(json.dumps({"B": b, "update": k, "split": "evaluation", "step": step, "seconds": at,
+                                            "token_acc": acc}) + "\n" for b, k, step, at, acc in points))
+    assert module.progress_rows([str(progress)]) == {
+        8: [{"update": 5, "trace": [["search", 10.0, 0.5]]}],
+        16: [{"update": 0, "trace": [["search", 100.0, 0.2], ["refine", 300.0, 0.3]]}]}
+    drawn = []
+    monkeypatch.setattr(module, "trace_figure", lambda by_batch, path: drawn.append(by_batch) or 1)
+    rows = tmp_path / "rows.jsonl"
+    line = {"bag_recall": 1.0, "rouge1": 0.9, "rouge2": 0.8, "exact": 0.0, "seconds": 10.0, "residual": 0.1}
+    rows.write_text(json.dumps({**line, "B": 8, "update": 5, "token_acc": 0.9, "trace": [["search", 9.0, 0.5]]}) + "\n")
+    module.main([str(rows), "--progress", str(progress), "--trace-out", str(tmp_path / "t.png")])
+    (by_batch,) = drawn
+    assert [r["trace"][0][1] for r in by_batch[8]] == [9.0] and [r["update"] for r in by_batch[16]] == [0]
+    drawn.clear()
+    capsys.readouterr()
+    module.main(["--progress", str(progress), "--trace-out", str(tmp_path / "t.png")])
+    assert sorted(drawn[0]) == [8, 16] and "| B |" not in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="give lora_batch rows or --progress"):
+        module.main([])

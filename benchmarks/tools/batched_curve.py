@@ -7,7 +7,8 @@ docs/audit.md quotes.
 
 A later file's row replaces an earlier one's of the same B and update. `--trace-out`: a second figure, each
 update's token accuracy after every step of the attack (search, refinement passes, regrowth) against the seconds
-since it began, from the rows that hold a trace.
+since it began, from the rows that hold a trace; `--progress` adds the updates of `lora_batch --progress` files
+whose row was never written (an update stopped before its end).
 """
 
 from __future__ import annotations
@@ -58,6 +59,20 @@ def _finish(figure, axes, legend: str, path: str) -> None:
     temporary.replace(out)
 
 
+def progress_rows(paths: list[str]) -> dict[int, list[dict]]:
+    """Traced rows per B from `lora_batch --progress` files (one line per step, as the attack reached it): the steps
+    of each (B, update) in order, for updates whose row was never written (stopped before the end)."""
+    out: dict[int, dict[int, dict]] = {}
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            if line.strip():
+                point = json.loads(line)
+                row = out.setdefault(int(point["B"]), {}).setdefault(point["update"], {"update": point["update"],
+                                                                                    "trace": []})
+                row["trace"].append([point["step"], point["seconds"], point["token_acc"]])
+    return {batch: list(rows.values()) for batch, rows in sorted(out.items())}
+
+
 def trace_figure(by_batch: dict[int, list[dict]], path: str) -> int:
     """Each traced row's accuracy after every step against its seconds (one line per update, a colour per B);
     returns how many rows were drawn (none: no figure)."""
@@ -85,16 +100,20 @@ def trace_figure(by_batch: dict[int, list[dict]], path: str) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("rows", nargs="+", help="JSONL files of lora_batch")
+    parser.add_argument("rows", nargs="*", default=[], help="JSONL files of lora_batch")
+    parser.add_argument("--progress", nargs="+", default=[],
+                        help="lora_batch --progress files: their updates join the trace figure (the rows' own traces "
+                             "first; an update with a row is drawn from the row)")
     parser.add_argument("--out", default=None, help="the figure (.png); none: the table only")
     parser.add_argument("--trace-out", default=None,
                         help="a figure (.png) of each traced update's accuracy after every step against its seconds")
     args = parser.parse_args(argv)
     by_batch = rows_by_batch(args.rows)
-    if not by_batch:
-        raise SystemExit("no rows in " + ", ".join(args.rows))
-    print(table(by_batch))
-    if args.out:
+    if not by_batch and not args.progress:
+        raise SystemExit("no rows in " + ", ".join(args.rows) if args.rows else "give lora_batch rows or --progress")
+    if by_batch:
+        print(table(by_batch))
+    if args.out and by_batch:
         import matplotlib
 
         matplotlib.use("Agg")
@@ -112,7 +131,11 @@ def main(argv: list[str] | None = None) -> None:
         _finish(figure, axes, "lower left", args.out)
         print(f"figure: {args.out}")
     if args.trace_out:
-        drawn = trace_figure(by_batch, args.trace_out)
+        traced = {batch: list(rows) for batch, rows in by_batch.items()}
+        for batch, rows in progress_rows(args.progress).items():
+            known = {r.get("update") for r in traced.get(batch, [])}
+            traced.setdefault(batch, []).extend(r for r in rows if r["update"] not in known)
+        drawn = trace_figure(dict(sorted(traced.items())), args.trace_out)
         print(f"trace figure: {args.trace_out} ({drawn} updates)" if drawn else "no row holds a trace: no trace figure")
 
 
