@@ -531,13 +531,17 @@ def test_lora_batch_progress_appends_each_step_scored_as_it_comes(tmp_path):
     assert module.progress_writer(None, 2, 0, "evaluation", torch.zeros(2, 4), str) is None
     ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
     path = tmp_path / "sub" / "progress.jsonl"
-    write = module.progress_writer(str(path), 2, 3, "auxiliary_tail", ids, lambda t: " ".join(map(str, t)))
+    write = module.progress_writer(str(path), 2, 3, "auxiliary_tail", ids, lambda t: " ".join(map(str, t)), "r1")
     write("search", 1.234, [[5, 6, 0, 0], [9, 9, 9, 9]])  # half of one sequence right: 2 of 8 tokens
     write("second_refine", 5.0, [[5, 6, 7, 8], [1, 2, 3, 4]])  # both right, in the other order
     points = [json.loads(line) for line in path.read_text().splitlines()]
-    assert points == [
-        {"B": 2, "update": 3, "split": "auxiliary_tail", "step": "search", "seconds": 1.23, "token_acc": 0.25},
-        {"B": 2, "update": 3, "split": "auxiliary_tail", "step": "second_refine", "seconds": 5.0, "token_acc": 1.0}]
+    common = {"B": 2, "update": 3, "split": "auxiliary_tail", "run": "r1"}
+    assert points == [{**common, "step": "search", "seconds": 1.23, "token_acc": 0.25},
+                      {**common, "step": "second_refine", "seconds": 5.0, "token_acc": 1.0}]
+    # A file that cannot be written warns; the attack goes on.
+    blocked = module.progress_writer(str(tmp_path / "sub"), 2, 3, "evaluation", ids, str)  # a folder, not a file
+    with pytest.warns(UserWarning, match="the attack goes on"):
+        blocked("search", 1.0, [[1, 2, 3, 4], [5, 6, 7, 8]])
 
 
 def test_batched_curve_draws_an_update_stopped_before_its_row_from_its_progress_file(tmp_path, capsys, monkeypatch):
@@ -545,12 +549,18 @@ def test_batched_curve_draws_an_update_stopped_before_its_row_from_its_progress_
     that has a row is drawn once, from the row."""
     module = load_benchmark("tools.batched_curve")
     progress = tmp_path / "progress.jsonl"
-    points = [(16, 0, "search", 100.0, 0.2), (16, 0, "refine", 300.0, 0.3), (8, 5, "search", 10.0, 0.5)]
-    progress.write_text("".join(json.dumps({"B": b, "update": k, "split": "evaluation", "step": step, "seconds": at,
-                                            "token_acc": acc}) + "\n" for b, k, step, at, acc in points))
+    points = [("old", 16, 0, "search", 50.0, 0.9), ("new", 16, 0, "search", 100.0, 0.2),
+              ("new", 16, 0, "refine", 300.0, 0.3), ("new", 16, 0, "second_search", 400.0, 0.25),
+              ("new", 8, 5, "search", 10.0, 0.5)]
+    progress.write_text("".join(json.dumps({"B": b, "update": k, "split": "evaluation", "run": run, "step": step,
+                                            "seconds": at, "token_acc": acc}) + "\n"
+                                for run, b, k, step, at, acc in points))
+    # The last run of each update only (the stopped "old" one is left out); the second search a row of its own.
+    first = {"update": 0, "split": "evaluation", "search": "first"}
     assert module.progress_rows([str(progress)]) == {
-        8: [{"update": 5, "trace": [["search", 10.0, 0.5]]}],
-        16: [{"update": 0, "trace": [["search", 100.0, 0.2], ["refine", 300.0, 0.3]]}]}
+        8: [{"update": 5, "split": "evaluation", "search": "first", "trace": [["search", 10.0, 0.5]]}],
+        16: [{**first, "trace": [["search", 100.0, 0.2], ["refine", 300.0, 0.3]]},
+             {**first, "search": "second", "trace": [["search", 400.0, 0.25]]}]}
     drawn = []
     monkeypatch.setattr(module, "trace_figure", lambda by_batch, path: drawn.append(by_batch) or 1)
     rows = tmp_path / "rows.jsonl"
@@ -558,7 +568,7 @@ def test_batched_curve_draws_an_update_stopped_before_its_row_from_its_progress_
     rows.write_text(json.dumps({**line, "B": 8, "update": 5, "token_acc": 0.9, "trace": [["search", 9.0, 0.5]]}) + "\n")
     module.main([str(rows), "--progress", str(progress), "--trace-out", str(tmp_path / "t.png")])
     (by_batch,) = drawn
-    assert [r["trace"][0][1] for r in by_batch[8]] == [9.0] and [r["update"] for r in by_batch[16]] == [0]
+    assert [r["trace"][0][1] for r in by_batch[8]] == [9.0] and [r["update"] for r in by_batch[16]] == [0, 0]
     drawn.clear()
     capsys.readouterr()
     module.main(["--progress", str(progress), "--trace-out", str(tmp_path / "t.png")])

@@ -60,16 +60,26 @@ def _finish(figure, axes, legend: str, path: str) -> None:
 
 
 def progress_rows(paths: list[str]) -> dict[int, list[dict]]:
-    """Traced rows per B from `lora_batch --progress` files (one line per step, as the attack reached it): the steps
-    of each (B, update) in order, for updates whose row was never written (stopped before the end)."""
-    out: dict[int, dict[int, dict]] = {}
+    """Traced rows per B from `lora_batch --progress` files (one line per step, as the attack reached it), for
+    updates whose row was never written (stopped before the end): of each (B, split, update), the last run's steps
+    in order, the first search's and the second's (steps "second_...") as two rows."""
+    last: dict[tuple, str] = {}
+    points = []
     for path in paths:
         for line in Path(path).read_text().splitlines():
             if line.strip():
                 point = json.loads(line)
-                row = out.setdefault(int(point["B"]), {}).setdefault(point["update"], {"update": point["update"],
-                                                                                    "trace": []})
-                row["trace"].append([point["step"], point["seconds"], point["token_acc"]])
+                update = (int(point["B"]), point.get("split", "evaluation"), point["update"])
+                last[update] = point.get("run", "")
+                points.append((update, point))
+    out: dict[int, dict[tuple, dict]] = {}
+    for (batch, split, update), point in points:
+        if point.get("run", "") != last[(batch, split, update)]:
+            continue
+        search = "second" if point["step"].startswith("second_") else "first"
+        row = out.setdefault(batch, {}).setdefault((split, update, search), {
+            "update": update, "split": split, "search": search, "trace": []})
+        row["trace"].append([point["step"].removeprefix("second_"), point["seconds"], point["token_acc"]])
     return {batch: list(rows.values()) for batch, rows in sorted(out.items())}
 
 
@@ -101,9 +111,9 @@ def trace_figure(by_batch: dict[int, list[dict]], path: str) -> int:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("rows", nargs="*", default=[], help="JSONL files of lora_batch")
-    parser.add_argument("--progress", nargs="+", default=[],
-                        help="lora_batch --progress files: their updates join the trace figure (the rows' own traces "
-                             "first; an update with a row is drawn from the row)")
+    parser.add_argument("--progress", action="append", default=[], metavar="FILE",
+                        help="a lora_batch --progress file (repeatable): its updates join the trace figure (an update "
+                             "with a row is drawn from the row)")
     parser.add_argument("--out", default=None, help="the figure (.png); none: the table only")
     parser.add_argument("--trace-out", default=None,
                         help="a figure (.png) of each traced update's accuracy after every step against its seconds")
@@ -133,8 +143,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.trace_out:
         traced = {batch: list(rows) for batch, rows in by_batch.items()}
         for batch, rows in progress_rows(args.progress).items():
-            known = {r.get("update") for r in traced.get(batch, [])}
-            traced.setdefault(batch, []).extend(r for r in rows if r["update"] not in known)
+            known = {(r.get("split", "evaluation"), r.get("update")) for r in traced.get(batch, [])}
+            traced.setdefault(batch, []).extend(r for r in rows if (r["split"], r["update"]) not in known)
         drawn = trace_figure(dict(sorted(traced.items())), args.trace_out)
         print(f"trace figure: {args.trace_out} ({drawn} updates)" if drawn else "no row holds a trace: no trace figure")
 

@@ -74,10 +74,11 @@ class BatchedOptions(OptionGroup):
             2.7 times as fast, but autocast casts every activation), so float32 stays the default.
         label_candidates: The last token of each sequence (a label, never an input) is chosen among the global
             model's this many likeliest by the least-squares refit of the update (1: the likeliest).
-        extension_cache_gib: Memory (GiB) for the site inputs of extensions already computed in an attack, reused
-            when a later step extends the same prefix by the same token (`search.ExtensionCache`; 0: none). Refinement
-            regrows every sequence each pass, and the sequences already right explore the prefixes they explored the
-            pass before. A reused input may differ from a recompute by float rounding.
+        extension_cache_gib: Memory (GiB, on the model's device) for the site inputs of extensions already computed
+            in an attack, reused when a later step extends the same prefix by the same token (`search.ExtensionCache`,
+            which says how to size it; 0: none). Refinement regrows every sequence each pass, and the sequences
+            already right explore the prefixes they explored the pass before. A reused input may differ from a
+            recompute by float rounding. The audit's stored scores do not depend on it.
         second_opinion_above: With the server's simulation and a second scorer (`BatchedLoRA(second_opinion=...)`,
             e.g. the learned one), a result whose refit residual is above this is searched again with that
             scorer, and the result of lower residual is kept (chosen on the auxiliary tail: below about 0.3 a
@@ -219,7 +220,7 @@ class BatchedLoRA:
         "second_search", "second_refine"... (a long attack's curve, written as it comes)."""
         clock = _Clock()  # one clock for both searches: the trace's times count from the attack's start
         gib = self.options.extension_cache_gib
-        cache = ExtensionCache(int(gib * 2**30)) if gib > 0 else None  # both searches extend under one model
+        cache = ExtensionCache(max(1, int(gib * 2**30))) if gib > 0 else None  # both searches: one model
         result = self._search(update, batch_size, length, simulate, flat, self.site_weights, self.options.lm_weight,
                               _Trace(clock.began, on_step), cache)
         doubtful = result.residual is not None and result.residual > self.options.second_opinion_above

@@ -176,8 +176,12 @@ class ExtensionCache:
     right (most of them, late in the passes) explores the prefixes it explored the pass before.
 
     An entry holds the first n sites' inputs of one extension (n: the most any request for it wanted), keyed by the
-    screen's precision too; the least recently used go once the entries hold `max_bytes`. A reused input is the
-    one computed before, in another batch of extensions, so it may differ from a recompute by float rounding."""
+    precision it was computed in too; the least recently used go once the entries hold `max_bytes` (their tensors'
+    bytes, on the model's device; Python's own overhead is not counted). Size it to hold a refinement pass's
+    extensions (about B * beam * bag * (L - 2) screens of `screen_sites` inputs of d floats, and B * shortlist *
+    (L - 2) full ones): a pass asks for nearly the same extensions in the same order as the pass before, so a
+    smaller cache drops each before it is asked for again. A reused input is the one computed before, in another
+    batch of extensions, so it may differ from a recompute by float rounding."""
 
     def __init__(self, max_bytes: int) -> None:
         if max_bytes <= 0:
@@ -197,8 +201,8 @@ class ExtensionCache:
         return entry[:sites]
 
     def put(self, key: tuple, inputs: Tensor) -> None:
-        """Hold `inputs` (sites, d) for `key` (replacing an entry of fewer sites), then drop the least recently used
-        entries beyond `max_bytes`."""
+        """Hold `inputs` (sites, d) for `key` (replacing what it held), then drop the least recently used entries
+        beyond `max_bytes`."""
         old = self.entries.pop(key, None)
         if old is not None:
             self.bytes -= old.nbytes
@@ -251,28 +255,34 @@ class Prefixes:
         are put in it."""
         if precision not in SCREEN_PRECISIONS:
             raise ValueError(f"precision={precision!r} must be one of {', '.join(SCREEN_PRECISIONS)}")
-        if cache is None:
-            return self._extend(rows, tokens, upto, precision)
-        sites = len(self.sites) if upto is None else upto
+        sites = len(self.sites) if upto is None else min(upto, len(self.sites))
+        if sites < 1:
+            raise ValueError(f"upto={upto} must be >= 1 (or None: every site)")
+        if cache is None or rows.numel() == 0:
+            return self._extend(rows, tokens, sites, precision)
         prefixes = [tuple(p) for p in self.tokens.tolist()]
         keys = [(precision, prefixes[r], t) for r, t in zip(rows.tolist(), tokens.tolist())]
         found = [cache.get(key, sites) for key in keys]
-        missing = [k for k, entry in enumerate(found) if entry is None]
+        # Each missing extension once, though several rows ask for it (sequences sharing a prefix).
+        missing = list(dict.fromkeys(keys[k] for k, entry in enumerate(found) if entry is None))
         cache.reused += len(keys) - len(missing)
         cache.computed += len(missing)
         if missing:
-            where = torch.tensor(missing, device=rows.device)
-            computed = torch.stack(self._extend(rows[where], tokens[where], upto, precision), dim=1)  # (m, sites, d)
-            for j, k in enumerate(missing):
-                found[k] = computed[j].clone()  # its own storage: an entry must not hold the whole batch alive
-                cache.put(keys[k], found[k])
-        if not found:
-            return [self.inputs[0].new_zeros(0, self.inputs[0].shape[-1]) for _ in range(sites)]
+            first = {key: k for k, key in reversed(list(enumerate(keys)))}
+            where = torch.tensor([first[key] for key in missing], device=rows.device)
+            computed = torch.stack(self._extend(rows[where], tokens[where], sites, precision), dim=1)  # (m, sites, d)
+            held = {}
+            for j, key in enumerate(missing):
+                held[key] = computed[j].clone()  # its own storage: an entry must not hold the whole batch alive
+                cache.put(key, held[key])
+            found = [held[key] if entry is None else entry for key, entry in zip(keys, found)]
         together = torch.stack(found)  # (K, sites, d)
         return [together[:, site] for site in range(sites)]
 
-    def _extend(self, rows: Tensor, tokens: Tensor, upto: int | None, precision: str) -> list[Tensor]:
-        """`extend` without a cache: every extension through the model, in chunks."""
+    def _extend(self, rows: Tensor, tokens: Tensor, sites: int, precision: str) -> list[Tensor]:
+        """`extend` without a cache: every extension through the model (its first `sites` sites), in chunks."""
+        if rows.numel() == 0:
+            return [self.inputs[0].new_zeros(0, self.inputs[0].shape[-1]) for _ in range(sites)]
         chunk = max(1, self.CHUNK_TOKENS // self.length)
         dtype = self.inputs[0].dtype
         parts = []
@@ -285,7 +295,7 @@ class Prefixes:
                 captured = capture_site_inputs(
                     self.target, self.sites, lambda part=part, expanded=expanded: self.base(
                         input_ids=part, use_cache=True, **{cache_keyword(self.base): expanded}),
-                    upto=len(self.sites) if upto is None else upto)
+                    upto=sites)
             parts.append([h[:, -1].to(dtype) for h in captured])
         return [torch.cat(columns) for columns in zip(*parts)]
 

@@ -474,10 +474,12 @@ class Audit:
 
     # ---------------------------------------------------------------- the attacks
     def attack_options(self) -> tuple[dict, str]:
-        """The attack options a round's scores depend on (all but `rounds`) and their short hash, which
-        names the scores' file: `attacks-<hash>.json`."""
+        """The attack options a round's scores depend on (all but `rounds`, and the batched attack's extension
+        cache, which changes its speed only) and their short hash, which names the scores' file:
+        `attacks-<hash>.json`."""
         chosen = plain(self.options.attacks)
         chosen.pop("rounds", None)
+        chosen.get("batched_search", {}).pop("extension_cache_gib", None)
         return chosen, canonical_sha256(chosen)[:12]
 
     def stored_attacks(self, r: int) -> dict | None:

@@ -711,18 +711,38 @@ def test_a_cached_extension_equals_a_recompute_and_is_not_run_again():
     shorter = Prefixes(pipe.target, sites, ids[:, :3]).advance(torch.tensor([1]), ids[1, 3:])
     reached = shorter.extend(torch.tensor([0]), torch.tensor([7]), cache=cache)
     assert cache.reused == 3 and torch.equal(reached[-1], full[-1][:1])
-    assert run.extend(rows[:0], tokens[:0], cache=cache)[0].shape == (0, reference[0].shape[1])
+    # The precision is part of the key: a bfloat16 screen is not served float32 inputs, nor the other way round.
+    low = run.extend(rows, tokens, 1, "bfloat16", cache)
+    assert (cache.computed, cache.reused) == (9, 3) and torch.equal(low[0], run.extend(rows, tokens, 1, "bfloat16")[0])
+    # A row asked for twice in one call runs once.
+    twice = run.extend(torch.tensor([0, 0]), torch.tensor([9, 9]), cache=cache)
+    assert cache.computed == 10 and torch.equal(twice[1][0], twice[1][1])
+    # No rows: every site's empty inputs, with or without a cache; a screen of no site is refused.
+    for with_cache in (cache, None):
+        empty = run.extend(rows[:0], tokens[:0], cache=with_cache)
+        assert len(empty) == len(sites) and empty[0].shape == (0, reference[0].shape[1])
+    with pytest.raises(ValueError, match="upto=0 must be >= 1"):
+        run.extend(rows, tokens, 0, cache=cache)
 
 
 def test_an_attack_with_the_extension_cache_reads_what_it_reads_without_and_reuses_refinements_extensions():
     from exact.batched import BatchedLoRA, BatchedOptions
 
     pipe, ids, update, flat, simulate, sites, whitening = checked_batch_of(4, 21)
-    options = dict(beam=2, label_candidates=1, refine=2, regrow=0, screen_sites=1, shortlist=4)
-    without = BatchedLoRA(pipe.target, list(pipe.names), whitening, BatchedOptions(**options)).attack(update, 4, 5)
-    cached = BatchedLoRA(pipe.target, list(pipe.names), whitening,
-                         BatchedOptions(extension_cache_gib=0.01, **options)).attack(update, 4, 5)
-    assert cached.sequences == without.sequences and without.extensions == {}
+    every = torch.ones(len(sites), dtype=torch.float64)
+    # Refinement checked by the simulation, regrowth, and a second search (threshold 0) sharing the cache.
+    options = dict(beam=2, label_candidates=2, refine=2, regrow=1, screen_sites=1, shortlist=4, second_opinion_above=0)
+    without = BatchedLoRA(pipe.target, list(pipe.names), whitening, BatchedOptions(**options),
+                          second_opinion=(every, 0.5)).attack(update, 4, 5, simulate, flat)
+    cached = BatchedLoRA(pipe.target, list(pipe.names), whitening, BatchedOptions(extension_cache_gib=0.01, **options),
+                         second_opinion=(every, 0.5)).attack(update, 4, 5, simulate, flat)
+    assert without.other is not None and without.extensions == {}
+    # The tiny model's inputs leave no near-ties, so rounding does not change a choice here.
+    assert cached.sequences == without.sequences and cached.residual == pytest.approx(without.residual, abs=1e-6)
     assert cached.extensions["reused"] > 0 and cached.extensions["computed"] > 0
+    # A cache too small for one entry holds nothing, and the attack reads the same.
+    starved = BatchedLoRA(pipe.target, list(pipe.names), whitening, BatchedOptions(
+        extension_cache_gib=1e-12, **options), second_opinion=(every, 0.5)).attack(update, 4, 5, simulate, flat)
+    assert starved.sequences == without.sequences and starved.extensions["reused"] < cached.extensions["reused"]
     with pytest.raises(ValueError, match=r"extension_cache_gib=-1.0 must be finite and >= 0"):
         BatchedOptions(extension_cache_gib=-1)

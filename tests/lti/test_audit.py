@@ -645,3 +645,14 @@ def test_every_audit_config_parses_and_names_a_threat_model_that_parses(config, 
     assert exit_info.value.code in (0, None)
     threat = yaml.safe_load(capsys.readouterr().out)
     assert threat["data"]["init_args"]["client"]["class_path"] == "datamodules.federated.LoRAClient"
+
+
+def test_the_extension_cache_does_not_name_another_set_of_attack_scores(tmp_path):
+    """Stored scores are kept per set of attack options; the batched attack's extension cache changes its speed
+    only, so a rerun with it reads the scores already there. Its beam does name another set."""
+    def key(**search):
+        options = AuditOptions(threat_model=TINY, out_dir=str(tmp_path),
+                               attacks=AttackOptions(batched_search=BatchedOptions(**search)))
+        return Audit(options, say=lambda *_: None).attack_options()[1]
+
+    assert key() == key(extension_cache_gib=2.0) != key(beam=2)

@@ -68,7 +68,7 @@ def test_the_wrapper_reads_what_the_clients_sent_and_the_strategy_aggregates_as_
     assert summary["threat_model"]["observed"] == threat.pipeline.spec.to_dict()
 
 
-def test_the_wrappers_scores_equal_the_audits_round_attacks_on_the_same_updates(tmp_path, capsys):
+def test_the_wrappers_scores_equal_the_audits_round_attacks_on_the_same_updates(tmp_path, capsys, monkeypatch):
     """The same updates read through the wrapper (the `Attack` interface) and through the audit's `RoundAttacks`:
     the same reconstructions, so the same scores."""
     pipeline = tiny_pipeline()
@@ -94,6 +94,7 @@ def test_the_wrappers_scores_equal_the_audits_round_attacks_on_the_same_updates(
     reference = RoundAttacks(pipeline, threat.decode, 6, LR, [DagerAttack(), BatchedAttack(OPTIONS, whitening=whitening)],
                              samples=0)
     sent = seen[("sent", 1)].to_torch_state_dict()
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)  # the bar is what is checked below
     for node, arrays in seen[("replies", 1)].items():
         ids = random_data(node - 1000, 1)["input_ids"][0]
         capsys.readouterr()

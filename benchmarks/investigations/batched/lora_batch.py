@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -130,21 +131,28 @@ def result_row(found, ids: torch.Tensor, decode, seconds: float) -> dict:
     return row
 
 
-def progress_writer(path: str | None, batch: int, update: int, split: str, ids: torch.Tensor, decode):
+def progress_writer(path: str | None, batch: int, update: int, split: str, ids: torch.Tensor, decode,
+                    run: str = ""):
     """An attack's `on_step` appending each step's token accuracy to the JSONL file `path` as it comes (None: no
-    file, no callback)."""
+    file, no callback). `run` names this process's run, so a rerun of an update is told apart from an earlier
+    one in the same file. A write that fails warns and lets the attack go on."""
     if path is None:
         return None
+    import warnings
+
     from datamodules.metrics import score_batch
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
 
     def write(step: str, seconds: float, sequences: list[list[int]]) -> None:
         scores = score_batch(sequences, ids, None, decode)
-        point = {"B": batch, "update": update, "split": split, "step": step, "seconds": round(seconds, 2),
-                 "token_acc": scores["correct"] / scores["tokens"]}
-        with open(path, "a") as log:
-            log.write(json.dumps(point) + "\n")
+        point = {"B": batch, "update": update, "split": split, "run": run, "step": step,
+                 "seconds": round(seconds, 2), "token_acc": scores["correct"] / scores["tokens"]}
+        try:
+            with open(path, "a") as log:
+                log.write(json.dumps(point) + "\n")
+        except OSError as error:
+            warnings.warn(f"progress file {path}: {error}; the attack goes on", stacklevel=2)
 
     return write
 
@@ -232,6 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     attack = BatchedLoRA(bench.target, bench.names, bench.whitening, options,
                          site_weights=weights.sites if weights else None, second_opinion=second)
     simulate = bench.simulate
+    run = f"{time.strftime('%Y-%m-%dT%H:%M:%S')}-{os.getpid()}"  # names this run's points in --progress
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("a") as log:
@@ -243,7 +252,8 @@ def main(argv: list[str] | None = None) -> None:
                                                seed=7919 * batch + k)
                 began = time.perf_counter()
                 found = attack.attack(split, batch, ids.shape[1], simulate if args.label_candidates > 0 else None,
-                                      update, on_step=progress_writer(args.progress, batch, k, args.split, ids, decode))
+                                      update, on_step=progress_writer(args.progress, batch, k, args.split, ids, decode,
+                                                                      run))
                 seconds = time.perf_counter() - began
                 row = {"B": batch, "L": ids.shape[1], "update": k, "split": args.split, "lm_weight": args.lm_weight,
                        "beam": args.beam, "pick_budget": options.pick_budget(batch, ids.shape[1]),
