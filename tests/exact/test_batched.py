@@ -476,7 +476,8 @@ def test_refinement_takes_its_own_beam_and_shortlist(monkeypatch):
     seen = []
 
     def recorded(target, sites, scorer, bag, sequences, lm_weight=0.0, beam=1, screen_sites=0, shortlist=0,
-                 screen_precision="float32"):
+                 screen_precision="float32", cache=None):
+        assert cache is None  # the extension cache is off by default
         seen.append((beam, screen_sites, shortlist, screen_precision))
         return [list(s) for s in sequences]
 
