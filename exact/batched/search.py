@@ -263,13 +263,16 @@ class Prefixes:
         prefixes = [tuple(p) for p in self.tokens.tolist()]
         keys = [(precision, prefixes[r], t) for r, t in zip(rows.tolist(), tokens.tolist())]
         found = [cache.get(key, sites) for key in keys]
-        # Each missing extension once, though several rows ask for it (sequences sharing a prefix).
-        missing = list(dict.fromkeys(keys[k] for k, entry in enumerate(found) if entry is None))
+        # Each missing extension once, though several rows ask for it (sequences sharing a prefix): its first row.
+        first: dict[tuple, int] = {}
+        for k, entry in enumerate(found):
+            if entry is None:
+                first.setdefault(keys[k], k)
+        missing = list(first)
         cache.reused += len(keys) - len(missing)
         cache.computed += len(missing)
         if missing:
-            first = {key: k for k, key in reversed(list(enumerate(keys)))}
-            where = torch.tensor([first[key] for key in missing], device=rows.device)
+            where = torch.tensor(list(first.values()), device=rows.device)
             computed = torch.stack(self._extend(rows[where], tokens[where], sites, precision), dim=1)  # (m, sites, d)
             held = {}
             for j, key in enumerate(missing):

@@ -747,3 +747,21 @@ def test_an_attack_with_the_extension_cache_reads_what_it_reads_without_and_reus
     assert starved.sequences == without.sequences and starved.extensions["reused"] < cached.extensions["reused"]
     with pytest.raises(ValueError, match=r"extension_cache_gib=-1.0 must be finite and >= 0"):
         BatchedOptions(extension_cache_gib=-1)
+
+
+@pytest.mark.parametrize("scale", [1e-2, 1e3])
+def test_an_update_rescaled_as_fixed_clipping_rescales_it_reads_the_same(scale):
+    """Flower's fixed clipping (without noise) multiplies a client's update by one number. Every test of the attack is
+    relative (the bag's stopping rule, the span tests' tolerances, the refit's residual), so the rescaled update reads
+    the same sequences with the same residual, while the simulation still returns unscaled per-sequence updates."""
+    from exact.batched import BatchedLoRA, BatchedOptions
+
+    pipe, ids, update, flat, simulate, sites, whitening = checked_batch_of(4, 21)
+    options = BatchedOptions(beam=2, label_candidates=2, refine=2, regrow=1, screen_sites=1, shortlist=4)
+    attack = BatchedLoRA(pipe.target, list(pipe.names), whitening, options)
+    plain = attack.attack(update, 4, 5, simulate, flat)
+    clipped = attack.attack({k: v * scale for k, v in update.items()}, 4, 5, simulate, flat * scale)
+    assert clipped.bag == plain.bag and clipped.sequences == plain.sequences
+    assert clipped.residual == pytest.approx(plain.residual, rel=1e-6)
+    assert clipped.kept_per_pass == plain.kept_per_pass and clipped.regrown == plain.regrown
+    assert clipped.coefficients == pytest.approx([c * scale for c in plain.coefficients], rel=1e-6)

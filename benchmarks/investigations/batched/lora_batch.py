@@ -107,6 +107,15 @@ class Setup:
         update = observed_update(sent, returned, lr, self.names, steps=local_epochs)  # the mean gradient, as the audit
         return update, {name: grads[0].double() for name, grads in self.server.split(update[None]).items()}
 
+
+def batch_token_accuracy(sequences: list[list[int]], ids: torch.Tensor, decode) -> float:
+    """The fraction of the true tokens `ids` (B, L) that `sequences` hold at their positions."""
+    from datamodules.metrics import score_batch
+
+    scores = score_batch(sequences, ids, None, decode)
+    return scores["correct"] / scores["tokens"]
+
+
 def result_row(found, ids: torch.Tensor, decode, seconds: float) -> dict:
     """What one attacked update measured (the fields every batched investigation writes): bag recall (distinct
     visible tokens found), token accuracy, ROUGE-1/2, exact sequences, the refit and its seconds; the result not
@@ -122,11 +131,9 @@ def result_row(found, ids: torch.Tensor, decode, seconds: float) -> dict:
            "second_opinion": found.second_opinion, "kept_per_pass": found.kept_per_pass,
            "regrown": [[doubtful, kept] for doubtful, kept in found.regrown], "extensions": found.extensions}
     # Token accuracy after each step of the search kept (its last tokens the LM's guesses, before the refit's labels).
-    row["trace"] = [[step, round(at, 2), score_batch(sequences, ids, None, decode)["correct"] / scores["tokens"]]
-                    for step, at, sequences in found.trace]
+    row["trace"] = [[step, round(at, 2), batch_token_accuracy(sequences, ids, decode)] for step, at, sequences in found.trace]
     if found.other is not None:  # what the choice between the two searches gained or lost
-        other = score_batch(found.other.sequences, ids, None, decode)
-        row["other_token_acc"] = other["correct"] / other["tokens"]
+        row["other_token_acc"] = batch_token_accuracy(found.other.sequences, ids, decode)
         row["other_residual"] = found.other.residual
     return row
 
@@ -140,14 +147,11 @@ def progress_writer(path: str | None, batch: int, update: int, split: str, ids: 
         return None
     import warnings
 
-    from datamodules.metrics import score_batch
-
     Path(path).parent.mkdir(parents=True, exist_ok=True)
 
     def write(step: str, seconds: float, sequences: list[list[int]]) -> None:
-        scores = score_batch(sequences, ids, None, decode)
         point = {"B": batch, "update": update, "split": split, "run": run, "step": step,
-                 "seconds": round(seconds, 2), "token_acc": scores["correct"] / scores["tokens"]}
+                 "seconds": round(seconds, 2), "token_acc": batch_token_accuracy(sequences, ids, decode)}
         try:
             with open(path, "a") as log:
                 log.write(json.dumps(point) + "\n")
@@ -181,7 +185,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lm-weight", type=float, default=0.5)
     parser.add_argument("--beam", type=int, default=4)
     parser.add_argument("--refine", type=int, default=BatchedOptions.refine,
-                        help="passes of refinement at most (default: B / 2, at least 2)")
+                        help="passes of refinement at most (default: 2B with the refit, which ends them at the first that "
+                             "keeps none; B / 2 without; at least 2)")
     parser.add_argument("--regrow", type=int, default=BatchedOptions.regrow,
                         help="attempts at regrowing the sequences the refit explains least, jointly "
                              "(default: B / 4, at least 1)")
