@@ -544,6 +544,29 @@ def test_lora_batch_progress_appends_each_step_scored_as_it_comes(tmp_path):
         blocked("search", 1.0, [[1, 2, 3, 4], [5, 6, 7, 8]])
 
 
+def test_lora_batch_measures_the_merge_of_two_searches_beside_the_kept_result():
+    """`lora_batch` rows say what merging the two searches would have read (each search right on one of two
+    sequences: merged, both); the attack's own result is left as it was, and one search gives no merge."""
+    import torch
+
+    from exact.batched.attack import BatchedResult
+
+    module = load_benchmark("investigations.batched.lora_batch")
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    rows = {s: torch.randn(50, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in range(1, 8)}
+    update = rows[1] + rows[4]  # the true sequences' updates start with tokens 1 and 4
+
+    def simulate(sequences):
+        return torch.stack([rows[s[0]] for s in sequences])
+
+    kept = BatchedResult([[1, 2, 3], [7, 7, 7]], [], [])
+    kept.other = BatchedResult([[2, 2, 2], [4, 5, 6]], [], [])
+    merged = module.merged_row(kept, update, simulate, ids, lambda t: " ".join(map(str, t)))
+    assert merged["token_acc"] == 1.0 and merged["swaps"] == 1 and merged["residual"] < 1e-9
+    assert kept.sequences == [[1, 2, 3], [7, 7, 7]]
+    assert module.merged_row(BatchedResult([[1, 2, 3]], [], []), update, simulate, ids, str) is None
+
+
 def test_batched_curve_draws_an_update_stopped_before_its_row_from_its_progress_file(tmp_path, capsys, monkeypatch):
     """`--progress`: the steps of an update whose row was never written are drawn in the trace figure; an update
     that has a row is drawn once, from the row."""

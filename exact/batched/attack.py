@@ -422,6 +422,39 @@ def least_squares_check(update: Tensor, per_sequence: Tensor) -> tuple[float, li
     return residual, coefficients.flatten().tolist()
 
 
+def merge_searches(update: Tensor, simulate: Callable[[list[list[int]]], Tensor], kept: list[list[int]],
+                   other: list[list[int]]) -> tuple[list[list[int]], float, int]:
+    """Two searches' results for one update merged by the refit: the kept search's sequences, with the other's swapped
+    in one at a time, each time the (other sequence, slot) pair that lowers the refit residual most, until none does.
+    The two scorers go wrong on different sequences, so each result may hold sequences the other lacks.
+    Returns (the sequences, their refit residual, the swaps made).
+
+    The residuals of the trials come from the Gram matrix of the 2B simulated updates (one D-long product each), not
+    a least-squares solve over D per trial; the result's residual is `least_squares_check`'s."""
+    chosen = [list(s) for s in kept]
+    pool = torch.cat([simulate(kept).double(), simulate(other).double()])  # (2B, D)
+    target = update.double().reshape(-1)
+    gram, correlation, energy = pool @ pool.T, pool @ target, float(target @ target)
+    slots = list(range(len(kept)))  # each slot's row in `pool`
+    waiting = [len(kept) + j for j, s in enumerate(other) if s not in chosen]
+
+    def residual(rows: list[int]) -> float:
+        index = torch.tensor(rows)
+        fit = torch.linalg.lstsq(gram[index][:, index], correlation[index, None]).solution[:, 0]
+        return math.sqrt(max(energy - float(correlation[index] @ fit), 0.0) / max(energy, 1e-300))
+
+    current, swaps = residual(slots), 0
+    while waiting:
+        trials = [(residual(slots[:i] + [row] + slots[i + 1 :]), row, i) for row in waiting for i in range(len(slots))]
+        best, row, i = min(trials)
+        if not best < current * (1 - 1e-9):  # below the Gram's rounding only: no gain
+            break
+        slots[i], current, swaps = row, best, swaps + 1
+        chosen[i] = list(other[row - len(kept)])
+        waiting = [r for r in waiting if r != row and other[r - len(kept)] not in chosen]
+    return chosen, least_squares_check(update, pool[slots])[0], swaps
+
+
 def refit_labels(update: Tensor, simulate: Callable[[list[list[int]]], Tensor], sequences: list[list[int]],
                  labels: list[list[int]], current: Tensor | None = None) -> tuple[list[list[int]], Tensor]:
     """Each sequence's last token chosen among its candidates `labels[i]` by the least-squares refit: one pass

@@ -765,3 +765,65 @@ def test_an_update_rescaled_as_fixed_clipping_rescales_it_reads_the_same(scale):
     assert clipped.residual == pytest.approx(plain.residual, rel=1e-6)
     assert clipped.kept_per_pass == plain.kept_per_pass and clipped.regrown == plain.regrown
     assert clipped.coefficients == pytest.approx([c * scale for c in plain.coefficients], rel=1e-6)
+
+
+def _merge_by_solves(update, simulate, kept, other):
+    """`merge_searches`' slow reference: every trial's residual by a least-squares solve over the whole update."""
+    from exact.batched.attack import least_squares_check
+
+    chosen = [list(s) for s in kept]
+    current = least_squares_check(update, simulate(chosen))[0]
+    swaps = 0
+    while True:
+        trials = [(least_squares_check(update, simulate(chosen[:i] + [s] + chosen[i + 1 :]))[0], j, i)
+                  for j, s in enumerate(other) if s not in chosen for i in range(len(chosen))]
+        if not trials:
+            break
+        best, j, i = min(trials)
+        if not best < current * (1 - 1e-9):
+            break
+        chosen[i], current, swaps = list(other[j]), best, swaps + 1
+    return chosen, current, swaps
+
+
+def test_merging_two_searches_swaps_in_what_each_got_right_and_matches_the_solves_reference():
+    """Each search right on two sequences of four, wrong on the others: merged by the refit, the true batch comes back
+    (certified), as the slow reference (a least-squares solve per trial) merges it."""
+    from exact.batched.attack import CERTIFY_RESIDUAL, merge_searches
+
+    pipe, ids, update, flat, simulate, sites, whitening = checked_batch_of(4, 21)
+    truth = ids.tolist()
+
+    def wrong(sequence):
+        return [(sequence[0] + 1) % VOCAB] + sequence[1:]
+
+    kept = [wrong(truth[0]), wrong(truth[1]), truth[2], truth[3]]
+    other = [truth[1], wrong(truth[2]), truth[0], wrong(truth[3])]
+    merged, residual, swaps = merge_searches(flat, simulate, kept, other)
+    assert sorted(merged) == sorted(truth) and swaps == 2 and residual < CERTIFY_RESIDUAL
+    assert merged[2:] == truth[2:]  # the kept search's right sequences stay in their slots
+    reference = _merge_by_solves(flat, simulate, kept, other)
+    assert (merged, swaps) == (reference[0], reference[2]) and residual == pytest.approx(reference[1], abs=1e-9)
+    # Nothing to gain: the other search holds only wrong sequences, or the kept ones.
+    assert merge_searches(flat, simulate, truth, [wrong(s) for s in truth])[0] == truth
+    assert merge_searches(flat, simulate, truth, truth)[2] == 0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_merging_by_the_gram_matrix_makes_the_choices_of_least_squares_solves(seed):
+    """Random updates and two random sets of rows (none right): the Gram shortcut swaps what per-trial solves swap."""
+    from exact.batched.attack import merge_searches
+
+    generator = torch.Generator().manual_seed(seed)
+    rows = {k: torch.randn(300, generator=generator, dtype=torch.float64) for k in range(10)}
+    update = sum(torch.rand(1, generator=generator, dtype=torch.float64) * rows[k] for k in (0, 3, 6, 8))
+    update = update + 0.05 * torch.randn(300, generator=generator, dtype=torch.float64)
+
+    def simulate(sequences):
+        return torch.stack([rows[s[0]] for s in sequences])
+
+    kept, other = [[0], [1], [2], [4]], [[3], [5], [6], [8], [9]]
+    merged, residual, swaps = merge_searches(update, simulate, kept, other)
+    reference = _merge_by_solves(update, simulate, kept, other)
+    assert merged == reference[0] and swaps == reference[2] >= 1
+    assert residual == pytest.approx(reference[1], rel=1e-9)

@@ -138,6 +138,19 @@ def result_row(found, ids: torch.Tensor, decode, seconds: float) -> dict:
     return row
 
 
+def merged_row(found, update: torch.Tensor, simulate, ids: torch.Tensor, decode) -> dict | None:
+    """What merging the two searches (`exact.batched.attack.merge_searches`) would have read, measured beside the
+    attack's own result (which it does not change); None when one search ran."""
+    if found.other is None:
+        return None
+    from exact.batched.attack import merge_searches
+
+    began = time.perf_counter()
+    sequences, residual, swaps = merge_searches(update, simulate, found.sequences, found.other.sequences)
+    return {"token_acc": batch_token_accuracy(sequences, ids, decode), "residual": residual, "swaps": swaps,
+            "seconds": round(time.perf_counter() - began, 2)}
+
+
 def progress_writer(path: str | None, batch: int, update: int, split: str, ids: torch.Tensor, decode,
                     run: str = ""):
     """An attack's `on_step` appending each step's token accuracy to the JSONL file `path` as it comes (None: no
@@ -275,6 +288,8 @@ def main(argv: list[str] | None = None) -> None:
                        "local_dp_delta": args.local_dp_delta if args.local_dp_epsilon is not None else None,
                        "overrides": dict(args.set),
                        "second_opinion_file": args.second_opinion}
+                if args.label_candidates > 0:
+                    row["merged"] = merged_row(found, update, simulate, ids, decode)
                 log.write(json.dumps(row) + "\n")
                 log.flush()
                 print(json.dumps(row), flush=True)
