@@ -425,35 +425,41 @@ def least_squares_check(update: Tensor, per_sequence: Tensor) -> tuple[float, li
 def merge_searches(update: Tensor, simulate: Callable[[list[list[int]]], Tensor], kept: list[list[int]],
                    other: list[list[int]]) -> tuple[list[list[int]], float, int]:
     """Two searches' results for one update merged by the refit: the kept search's sequences, with the other's swapped
-    in one at a time, each time the (other sequence, slot) pair that lowers the refit residual most, until none does.
-    The two scorers go wrong on different sequences, so each result may hold sequences the other lacks.
-    Returns (the sequences, their refit residual, the swaps made).
+    in one at a time, each time the (other sequence, slot) pair that lowers the refit residual most, until none does
+    or the batch is certified. The two scorers go wrong on different sequences, so each result may hold sequences the
+    other lacks. A swapped-in sequence keeps the last token (label) the refit chose in its own search. Returns (the
+    sequences, their refit residual, the swaps made).
 
-    The residuals of the trials come from the Gram matrix of the 2B simulated updates (one D-long product each), not
-    a least-squares solve over D per trial; the result's residual is `least_squares_check`'s."""
+    Trials are ranked by residuals from the Gram matrix of the 2B simulated updates (a (2B, 2B) solve per trial, not
+    one over D); the chosen trial's residual is then confirmed by `least_squares_check`, which decides."""
+    count = len(kept)
     chosen = [list(s) for s in kept]
-    pool = torch.cat([simulate(kept).double(), simulate(other).double()])  # (2B, D)
-    target = update.double().reshape(-1)
+    pool = torch.cat([simulate(kept).double(), simulate(other).double()]).cpu()  # (2B, D)
+    target = update.double().reshape(-1).cpu()
     gram, correlation, energy = pool @ pool.T, pool @ target, float(target @ target)
-    slots = list(range(len(kept)))  # each slot's row in `pool`
-    waiting = [len(kept) + j for j, s in enumerate(other) if s not in chosen]
+    slots = list(range(count))  # each slot's row in `pool`
 
-    def residual(rows: list[int]) -> float:
+    def estimate(rows: list[int]) -> float:
         index = torch.tensor(rows)
-        fit = torch.linalg.lstsq(gram[index][:, index], correlation[index, None]).solution[:, 0]
-        return math.sqrt(max(energy - float(correlation[index] @ fit), 0.0) / max(energy, 1e-300))
+        # gelsd: a rank-revealing solve, as two equal sequences make the Gram singular
+        fit = torch.linalg.lstsq(gram[index][:, index], correlation[index, None], driver="gelsd").solution[:, 0]
+        value = math.sqrt(max(energy - float(correlation[index] @ fit), 0.0) / max(energy, 1e-300))
+        return value if math.isfinite(value) else math.inf
 
-    current, swaps = residual(slots), 0
-    while waiting:
-        trials = [(residual(slots[:i] + [row] + slots[i + 1 :]), row, i) for row in waiting for i in range(len(slots))]
-        best, row, i = min(trials)
-        if not best < current * (1 - 1e-9):  # below the Gram's rounding only: no gain
+    current, swaps = least_squares_check(target, pool[slots])[0], 0
+    while current >= CERTIFY_RESIDUAL:
+        waiting = [count + j for j, s in enumerate(other) if s not in chosen]
+        trials = [(estimate(slots[:i] + [row] + slots[i + 1 :]), row, i) for row in waiting for i in range(count)]
+        if not trials:
             break
-        slots[i], current, swaps = row, best, swaps + 1
-        chosen[i] = list(other[row - len(kept)])
-        waiting = [r for r in waiting if r != row and other[r - len(kept)] not in chosen]
-    return chosen, least_squares_check(update, pool[slots])[0], swaps
-
+        _, row, i = min(trials)
+        trial = slots[:i] + [row] + slots[i + 1 :]
+        after = least_squares_check(target, pool[trial])[0]
+        if not after < current:
+            break
+        slots, current, swaps = trial, after, swaps + 1
+        chosen[i] = list(other[row - count])
+    return chosen, current, swaps
 
 def refit_labels(update: Tensor, simulate: Callable[[list[list[int]]], Tensor], sequences: list[list[int]],
                  labels: list[list[int]], current: Tensor | None = None) -> tuple[list[list[int]], Tensor]:

@@ -288,8 +288,7 @@ def main(argv: list[str] | None = None) -> None:
                        "local_dp_delta": args.local_dp_delta if args.local_dp_epsilon is not None else None,
                        "overrides": dict(args.set),
                        "second_opinion_file": args.second_opinion}
-                if args.label_candidates > 0:
-                    row["merged"] = merged_row(found, update, simulate, ids, decode)
+                row["merged"] = merged_row(found, update, simulate, ids, decode)  # None: one search ran
                 log.write(json.dumps(row) + "\n")
                 log.flush()
                 print(json.dumps(row), flush=True)
