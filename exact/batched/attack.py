@@ -461,6 +461,7 @@ def merge_searches(update: Tensor, simulate: Callable[[list[list[int]]], Tensor]
         chosen[i] = list(other[row - count])
     return chosen, current, swaps
 
+
 def refit_labels(update: Tensor, simulate: Callable[[list[list[int]]], Tensor], sequences: list[list[int]],
                  labels: list[list[int]], current: Tensor | None = None) -> tuple[list[list[int]], Tensor]:
     """Each sequence's last token chosen among its candidates `labels[i]` by the least-squares refit: one pass

@@ -803,7 +803,9 @@ def test_merging_two_searches_swaps_in_what_each_got_right_and_matches_the_solve
     assert sorted(merged) == sorted(truth) and swaps == 2 and residual < CERTIFY_RESIDUAL
     assert merged[2:] == truth[2:]  # the kept search's right sequences stay in their slots
     reference = _merge_by_solves(flat, simulate, kept, other)
-    assert (merged, swaps) == (reference[0], reference[2]) and residual == pytest.approx(reference[1], abs=1e-9)
+    # The reference simulates each trial batch afresh, so its float32 rows may round otherwise: a few float32 steps.
+    float32_steps = 8 * torch.finfo(torch.float32).eps
+    assert (merged, swaps) == (reference[0], reference[2]) and residual == pytest.approx(reference[1], abs=float32_steps)
     # Nothing to gain from a certified batch, nor from wrong sequences: the kept ones stay.
     assert merge_searches(flat, simulate, truth, [wrong(s) for s in truth])[:3:2] == (truth, 0)
     # Otherwise each swap lowers the residual, and every sequence comes from one search or the other.
