@@ -1,5 +1,7 @@
 """The batched LoRA attack: bag recovery, the joint all-site search, and the least-squares check, on one
-update of B sequences (`exact.batched`'s parts put together). Plain PyTorch.
+update of B sequences (`exact.batched`'s parts put together). The same attack reads a full-weight update through
+its wide sites (`sites.wide_sites`: GPT-2's MLP down-projections), the bag then from the first layer's span.
+Plain PyTorch.
 
 `BatchedLoRA(target, names, whitening).attack(update, batch_size, length)` returns the B sequences, each
 token's margin, the bag and, when a `simulate` function is given (the server re-simulating the update of
@@ -20,7 +22,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from exact.batched.bag import pick_budget, somp
+from exact.batched.bag import pick_budget, somp, span_bag
 from exact.batched.search import (
     SCREEN_PRECISIONS,
     ExtensionCache,
@@ -30,8 +32,9 @@ from exact.batched.search import (
     refine_sequences,
     sequence_inputs,
 )
-from exact.batched.sites import adapter_sites
+from exact.batched.sites import Site, adapter_sites
 from exact.batched.whitening import SiteWhitening, vocabulary_inputs
+from exact.layers import find_layers
 from exact.option_group import OptionGroup
 
 #: A refit leaving less than this fraction of the update's norm certifies the batch.
@@ -185,17 +188,38 @@ class BatchedLoRA:
 
     def __init__(self, target: nn.Module, names: list[str], whitening: SiteWhitening,
                  options: BatchedOptions = BatchedOptions(), site_weights: Tensor | None = None,
-                 second_opinion: tuple[Tensor, float] | None = None) -> None:
+                 second_opinion: tuple[Tensor, float] | None = None, sites: list[Site] | None = None) -> None:
         """`site_weights`: a learned scorer's weight per site (`exact.batched.scorer`; default 1 each).
         `second_opinion`: (site weights, prior weight) of a second scorer for results the refit doubts
-        (`BatchedOptions.second_opinion_above`)."""
+        (`BatchedOptions.second_opinion_above`). `sites`: where the update is read (default: the LoRA adapters
+        among `names`; `wide_sites` for a full-weight update). A whitening without a vocabulary part (a model with
+        a position table) takes the bag from the first attention layer's span (`bag.span_bag`; `names` must hold
+        that layer's weight)."""
         self.target, self.names, self.options = target, list(names), options
         self.site_weights, self.second_opinion = site_weights, second_opinion
-        self.sites = adapter_sites(self.names)
+        self.sites = adapter_sites(self.names) if sites is None else list(sites)
         if whitening.sites.shape[0] != len(self.sites):
             raise ValueError(f"the whitening holds {whitening.sites.shape[0]} sites; the model has {len(self.sites)}")
         self.whitening = whitening
-        self.dictionary = vocabulary_inputs(target) @ whitening.vocabulary
+        if whitening.vocabulary is not None:
+            self.dictionary, self.first_layer = vocabulary_inputs(target) @ whitening.vocabulary, None
+        else:
+            self.dictionary, self.first_layer = None, find_layers(target)
+            missing = [n for n in self.first_layer.first.names() if n not in set(self.names)]
+            if missing:
+                raise ValueError(f"the bag of a model with a position table is read from its first attention layer; "
+                                 f"{missing[0]} is not observed")
+
+    def bag(self, update: dict[str, Tensor], rows: list[Tensor], batch_size: int, length: int) -> list[int]:
+        """The batch's distinct input tokens: pursuit over the whitened vocabulary (a RoPE model), or the first attention
+        layer's span test of every token at every input position (a model with a position table)."""
+        if self.dictionary is not None:
+            return somp(rows[0] @ self.whitening.vocabulary, self.dictionary,
+                        self.options.pick_budget(batch_size, length), self.options.tolerance).tokens
+        layers = self.first_layer
+        first = layers.first.input_space(update)
+        return span_bag(first.to(layers.inputs.embedding.device), layers.inputs, length - 1,
+                        limit=self.options.pick_budget(batch_size, length)).tokens
 
     @property
     def _screen(self) -> dict[str, int | str]:
@@ -218,6 +242,16 @@ class BatchedLoRA:
         """`update`: {name: gradient} of one client (B sequences of `length` tokens averaged). `on_step(step, seconds,
         sequences)` is called at each point of the trace as it is reached, the second search's steps named
         "second_search", "second_refine"... (a long attack's curve, written as it comes)."""
+        was_training = self.target.training
+        self.target.eval()  # the span tests read the inputs an eval-mode forward computes: no dropout
+        try:
+            return self._attack(update, batch_size, length, simulate, flat, on_step)
+        finally:
+            self.target.train(was_training)
+
+    def _attack(self, update: dict[str, Tensor], batch_size: int, length: int,
+                simulate: Callable[[list[list[int]]], Tensor] | None, flat: Tensor | None,
+                on_step: OnStep | None) -> BatchedResult:
         clock = _Clock()  # one clock for both searches: the trace's times count from the attack's start
         gib = self.options.extension_cache_gib
         cache = ExtensionCache(max(1, int(gib * 2**30))) if gib > 0 else None  # both searches: one model
@@ -243,8 +277,7 @@ class BatchedLoRA:
         extension cache, if any."""
         clock = _Clock(trace.began)
         rows = [site.rows(update).double() for site in self.sites]
-        bag = somp(rows[0] @ self.whitening.vocabulary, self.dictionary,
-                   self.options.pick_budget(batch_size, length), self.options.tolerance).tokens
+        bag = self.bag(update, rows, batch_size, length)
         clock.lap("bag")
         if not bag:
             return BatchedResult([[0] * length for _ in range(batch_size)], [[0.0] * length] * batch_size, [],

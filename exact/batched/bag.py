@@ -74,6 +74,39 @@ def somp(rows: Tensor, dictionary: Tensor, max_picks: int, tolerance: float = 1e
     return Bag(picked, residuals)
 
 
+#: A token whose first-layer input at some position lies this close (relative distance) to the first layer's span
+#: is in the bag. True inputs sit at float32 rounding (about 1e-6), others far off (DAGER's first-layer test).
+SPAN_BAG_THRESHOLD = 1e-3
+
+
+def span_bag(first: Tensor, inputs, positions: int, threshold: float = SPAN_BAG_THRESHOLD, rank_tol: float = 1e-6,
+             limit: int | None = None, chunk: int = 8192) -> Bag:
+    """The bag of a model with a position table (GPT-2), from the first attention layer's gradient `first` (d, k):
+    its first-layer inputs are norm(E[t] + P[p]), so a token's input depends on its position, but the span of the
+    batch's inputs has dimension at most distinct tokens + positions, below d for a batch of B = 64 sequences of 16
+    tokens; then every (token, position) pair of the bag's tokens and the positions lies in it, and the span test of
+    every token at every position `0..positions - 1` (`inputs`: an `exact.layers.FirstLayerInput`) finds the
+    bag. Tokens are ordered by their least distance, `residuals` holding it; `limit`: the closest this many at most
+    (a span a little short of full lets far more tokens pass than a batch holds). A full span (rank d) says nothing:
+    the bag is then empty, as a pursuit's would be that finds nothing."""
+    from exact.dager.span import span_basis
+
+    basis = span_basis(first, rank_tol)
+    if basis.rank >= basis.dim or basis.rank == 0:
+        return Bag([], [])
+    complement = basis.complement
+    vocabulary = torch.arange(inputs.vocab_size, device=complement.device)
+    least = torch.full((inputs.vocab_size,), float("inf"), dtype=torch.float64, device=complement.device)
+    for position in range(positions):
+        for start in range(0, inputs.vocab_size, chunk):
+            x = inputs(vocabulary[start : start + chunk], position, torch.float64).to(complement.device)
+            distance = (x @ complement).norm(dim=1) / x.norm(dim=1).clamp_min(1e-300)
+            least[start : start + chunk] = torch.minimum(least[start : start + chunk], distance)
+    found = (least < threshold).nonzero()[:, 0]
+    order = found[least[found].argsort()][:limit]
+    return Bag(order.tolist(), least[order].tolist())
+
+
 def brute_force_support(rows: Tensor, dictionary: Tensor, size: int, candidates: list[int]) -> tuple[int, ...]:
     """The reference: among all `size`-subsets of `candidates`, the one whose span leaves the least residual
     energy of `rows` (exhaustive; for tests on small dictionaries)."""

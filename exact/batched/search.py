@@ -158,7 +158,10 @@ def decoder(target: nn.Module) -> tuple[nn.Module, nn.Module, torch.device]:
     decoder; the prior needs the LM."""
     lm = getattr(target, "model", target)
     base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
-    return lm, getattr(base, "model", base), next(lm.parameters()).device
+    for name in ("model", "transformer"):  # Llama-family decoders hold it as `model`, GPT-2 as `transformer`
+        if isinstance(getattr(base, name, None), nn.Module):
+            return lm, getattr(base, name), next(lm.parameters()).device
+    return lm, base, next(lm.parameters()).device
 
 
 def _step(lm: nn.Module, tokens: Tensor, cache=None) -> tuple[Tensor, object]:

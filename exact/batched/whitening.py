@@ -69,23 +69,34 @@ def text_moments(target: nn.Module, sites: list[Site], ids: Tensor, chunk: int =
     return total / count
 
 
-class SiteWhitening:
-    """`vocabulary` (d, d): the first site's whitening for bag recovery; `sites` (S, d, d): each site's."""
+def has_position_table(target: nn.Module) -> bool:
+    """Whether the model adds absolute positions to its first-layer inputs (GPT-2), so a token's first-layer input
+    depends on its position and bag recovery reads the first layer's span instead (`exact.batched.bag.span_bag`)."""
+    from exact.layers import find_layers
 
-    def __init__(self, vocabulary: Tensor, sites: Tensor) -> None:
+    return find_layers(target).inputs.positions is not None
+
+
+class SiteWhitening:
+    """`vocabulary` (d, d): the first site's whitening for bag recovery by pursuit (None for a model with a position
+    table, whose bag comes from the first layer's span); `sites` (S, d, d): each site's."""
+
+    def __init__(self, vocabulary: Tensor | None, sites: Tensor) -> None:
         self.vocabulary, self.sites = vocabulary, sites
 
     @classmethod
     def fit(cls, target: nn.Module, sites: list[Site], auxiliary_ids: Tensor) -> "SiteWhitening":
-        x0 = vocabulary_inputs(target)
-        vocabulary = inverse_sqrt(x0.T @ x0 / x0.shape[0])
+        vocabulary = None
+        if not has_position_table(target):
+            x0 = vocabulary_inputs(target)
+            vocabulary = inverse_sqrt(x0.T @ x0 / x0.shape[0])
         return cls(vocabulary, inverse_sqrt(text_moments(target, sites, auxiliary_ids)))
 
     @staticmethod
     def key(fingerprint: str, sites: list[Site], auxiliary_ids: Tensor) -> str:
         digest = hashlib.sha256()
         digest.update(fingerprint.encode())
-        digest.update(json.dumps([s.lora_a for s in sites]).encode())
+        digest.update(json.dumps([s.weights for s in sites]).encode())
         digest.update(auxiliary_ids.cpu().contiguous().numpy().tobytes())
         return digest.hexdigest()[:24]
 
@@ -111,10 +122,10 @@ class SiteWhitening:
             if meta.get("key") != key:
                 raise ValueError(f"whitening cache {path} was built for another model, adapters or auxiliary text "
                                  f"(key {meta.get('key')}, this threat model's {key}); delete it or choose another path")
-            if set(tensors) != {"vocabulary", "sites"} or tensors["sites"].shape[0] != len(sites):
+            if set(tensors) - {"vocabulary"} != {"sites"} or tensors["sites"].shape[0] != len(sites):
                 raise ValueError(f"whitening cache {path} does not hold the whitening of {len(sites)} sites; delete it")
-            return cls(tensors["vocabulary"], tensors["sites"])
-        say(f"whitening the input spaces of {len(sites)} adapter sites on {auxiliary_ids.shape[0]} auxiliary blocks")
+            return cls(tensors.get("vocabulary"), tensors["sites"])
+        say(f"whitening the input spaces of {len(sites)} sites on {auxiliary_ids.shape[0]} auxiliary blocks")
         whitening = cls.fit(target, sites, auxiliary_ids)
         if path is not None:
             folder = Path(path).parent
@@ -122,8 +133,10 @@ class SiteWhitening:
             handle, tmp = tempfile.mkstemp(dir=folder, prefix=f".{Path(path).name}.tmp-")
             os.close(handle)
             try:
-                save_file({"vocabulary": whitening.vocabulary.contiguous(), "sites": whitening.sites.contiguous()}, tmp,
-                          metadata={"key": key, "fingerprint": fingerprint})
+                tensors = {"sites": whitening.sites.contiguous()}
+                if whitening.vocabulary is not None:
+                    tensors["vocabulary"] = whitening.vocabulary.contiguous()
+                save_file(tensors, tmp, metadata={"key": key, "fingerprint": fingerprint})
                 os.replace(tmp, path)
             finally:
                 if os.path.exists(tmp):

@@ -76,8 +76,8 @@ def naive_somp(rows: torch.Tensor, atoms: torch.Tensor, picks: int) -> list[int]
 def test_sites_group_q_and_v_of_a_layer_and_refuse_an_update_without_adapters():
     pipe = pipeline(1)
     sites = adapter_sites(list(pipe.names))
-    assert len(sites) == 2 and all(len(s.lora_a) == 2 for s in sites)
-    assert sites[0].lora_a[0].startswith("model.model.layers.0.") and sites[1].lora_a[0].startswith("model.model.layers.1.")
+    assert len(sites) == 2 and all(len(s.weights) == 2 for s in sites)
+    assert sites[0].weights[0].startswith("model.model.layers.0.") and sites[1].weights[0].startswith("model.model.layers.1.")
     with pytest.raises(ValueError, match="lora_A"):
         adapter_sites(["model.model.layers.0.self_attn.q_proj.weight"])
 

@@ -1,0 +1,147 @@
+"""The batched attack on full-weight updates of a tiny GPT-2 (d = 32, MLP 128, two layers, 16 tokens) whose batch
+outnumbers the model's width: the wide sites (MLP down-projections), the bag from the first layer's span, both
+against slow references, and the attack's parts put together."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from datamodules.federated import FedSGDClient, UpdatePipeline
+from datamodules.federated.observed import ParameterSelection
+from datamodules.targets import HFCausalLM
+from exact.batched import BatchedLoRA, BatchedOptions, SiteWhitening, least_squares_check, wide_sites
+from exact.batched.bag import SPAN_BAG_THRESHOLD, span_bag
+from exact.batched.sites import capture_site_inputs
+from exact.layers import find_layers
+
+VOCAB, WIDTH, LENGTH = 16, 32, 12
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def gpt2() -> HFCausalLM:
+    return HFCausalLM(architecture="gpt2", config=dict(n_embd=WIDTH, n_layer=2, n_head=2, n_positions=16,
+                                                       vocab_size=VOCAB, bos_token_id=0, eos_token_id=0), init_seed=0)
+
+
+def pipeline(batch: int, observed: ParameterSelection | None = None) -> UpdatePipeline:
+    return UpdatePipeline(gpt2(), client=FedSGDClient("eval", batch), observed=observed)
+
+
+def batch_ids(batch: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, LENGTH), generator=torch.Generator().manual_seed(seed))
+
+
+def update_of(pipe: UpdatePipeline, ids: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    observed = pipe({"input_ids": ids[None]}, keep_update=True)
+    return {n: g[0].double() for n, g in pipe.split(observed.update).items()}, observed.update[0]
+
+
+def test_the_wide_sites_of_gpt2_are_its_mlp_down_projections_and_their_rows_lie_in_the_span_of_their_inputs():
+    pipe = pipeline(4)
+    sites = wide_sites(pipe.target, list(pipe.names))
+    assert [s.modules[0] for s in sites] == [f"model.transformer.h.{i}.mlp.c_proj" for i in range(2)]
+    assert all(s.transposed and s.weights == (s.modules[0] + ".weight",) for s in sites)
+    # B = 1, 11 input tokens: fewer than the 128-wide input, so every row lies in the inputs' span (the reference:
+    # the inputs the forward pass computes, captured by hooks)
+    ids = batch_ids(1, 0)
+    update, _ = update_of(pipeline(1), ids)
+    pipe.target.eval()  # GPT-2's default dropout off, as the client's eval-mode step
+    inputs = capture_site_inputs(pipe.target, sites, lambda: pipe.target.model(ids[:, :-1]))
+    for site, x in zip(sites, inputs):
+        rows = site.rows(update)
+        assert rows.shape == (WIDTH, 4 * WIDTH)
+        assert torch.equal(rows, update[site.weights[0]].T)
+        q, _ = torch.linalg.qr(x.reshape(-1, x.shape[-1]).double().T)
+        off = (rows.T - q @ (q.T @ rows.T)).norm() / rows.norm()
+        assert off < 100 * EPS32
+
+
+def test_wide_sites_refuse_an_update_without_one_in_one_line():
+    pipe = pipeline(2, ParameterSelection(include=["*attn.c_attn.weight"]))
+    with pytest.raises(ValueError, match="none of the observed weights") as error:
+        wide_sites(pipe.target, list(pipe.names))
+    assert "\n" not in str(error.value)
+
+
+def reference_span_bag(first: torch.Tensor, target, positions: int) -> set[int]:
+    """Every token at every position, one at a time, its distance to the span by least squares (singular values
+    below 1e-6 of the largest dropped, the span's numerical rank)."""
+    inputs = find_layers(target).inputs
+    found = set()
+    for token in range(VOCAB):
+        for position in range(positions):
+            x = inputs(torch.tensor([token]), position, torch.float64)[0]
+            fit = torch.linalg.lstsq(first.double(), x[:, None], rcond=1e-6, driver="gelsd").solution
+            if float((first.double() @ fit)[:, 0].sub(x).norm() / x.norm()) < SPAN_BAG_THRESHOLD:
+                found.add(token)
+                break
+    return found
+
+
+def test_the_span_bag_matches_a_per_token_reference_and_holds_the_visible_tokens():
+    # 2 sequences of 11 inputs: at most 16 distinct tokens + 11 positions, within the 32-wide first layer
+    pipe = pipeline(2)
+    ids = batch_ids(2, 3)
+    update, _ = update_of(pipe, ids)
+    layers = find_layers(pipe.target)
+    first = layers.first.input_space(update)
+    bag = span_bag(first, layers.inputs, LENGTH - 1)
+    visible = set(ids[:, :-1].flatten().tolist())
+    assert set(bag.tokens) == visible
+    # The reference tests the span by least squares (rank-revealing), to the same threshold
+    assert set(bag.tokens) == reference_span_bag(first, pipe.target, LENGTH - 1)
+    assert bag.residuals == sorted(bag.residuals) and max(bag.residuals) < SPAN_BAG_THRESHOLD
+
+
+def test_the_span_bag_of_a_full_span_is_empty():
+    layers = find_layers(gpt2())
+    full = torch.randn(WIDTH, 3 * WIDTH, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    assert span_bag(full, layers.inputs, LENGTH - 1).tokens == []
+
+
+def test_a_model_with_a_position_table_is_whitened_without_a_vocabulary_part_and_its_cache_round_trips(tmp_path):
+    pipe = pipeline(2)
+    sites = wide_sites(pipe.target, list(pipe.names))
+    auxiliary = torch.randint(0, VOCAB, (64, LENGTH), generator=torch.Generator().manual_seed(1))
+    path = tmp_path / "whitening.safetensors"
+    fitted = SiteWhitening.load_or_fit(path, pipe.target, sites, auxiliary, "tiny-gpt2", say=lambda _: None)
+    assert fitted.vocabulary is None and fitted.sites.shape == (2, 4 * WIDTH, 4 * WIDTH)
+    loaded = SiteWhitening.load_or_fit(path, pipe.target, sites, auxiliary, "tiny-gpt2", say=lambda _: None)
+    assert loaded.vocabulary is None and torch.equal(loaded.sites, fitted.sites)
+
+
+def test_the_attack_reads_a_full_weight_update_whose_batch_outnumbers_the_width():
+    # B = 4: 44 inputs against a 32-wide model (every attention span full), within the MLP's 128
+    batch = 4
+    pipe = pipeline(batch)
+    one = pipe.with_client(FedSGDClient("eval", 1))
+    names = list(pipe.names)
+    sites = wide_sites(pipe.target, names)
+    whitening = SiteWhitening.fit(pipe.target, sites,
+                                  torch.randint(0, VOCAB, (64, LENGTH), generator=torch.Generator().manual_seed(1)))
+    ids = batch_ids(batch, 5)
+    update, flat = update_of(pipe, ids)
+
+    def simulate(sequences):
+        return one({"input_ids": torch.tensor(sequences)[:, None]}, keep_update=True).update
+
+    # The refit certifies the true batch (the server's simulation of full weights is the client's)
+    assert least_squares_check(flat, simulate(ids.tolist()))[0] < 1e3 * EPS32
+    attack = BatchedLoRA(pipe.target, names, whitening, BatchedOptions(lm_weight=0.0, refine=2, regrow=0),
+                         sites=sites)
+    result = attack.attack(update, batch, LENGTH, simulate, flat)
+    assert set(result.bag) == set(ids[:, :-1].flatten().tolist())
+    assert len(result.sequences) == batch and all(len(s) == LENGTH for s in result.sequences)
+    assert all(0 <= t < VOCAB for s in result.sequences for t in s)
+    assert result.residual is not None and 0 <= result.residual <= 1
+
+
+def test_a_full_weight_attack_without_the_first_layer_observed_is_refused_in_one_line():
+    pipe = pipeline(2, ParameterSelection(include=["*mlp.c_proj.weight"]))
+    names = list(pipe.names)
+    sites = wide_sites(pipe.target, names)
+    whitening = SiteWhitening(None, torch.eye(4 * WIDTH, dtype=torch.float64).expand(2, -1, -1).clone())
+    with pytest.raises(ValueError, match="first attention layer") as error:
+        BatchedLoRA(pipe.target, names, whitening, sites=sites)
+    assert "\n" not in str(error.value)
