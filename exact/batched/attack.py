@@ -218,6 +218,9 @@ class BatchedLoRA:
                         self.options.pick_budget(batch_size, length), self.options.tolerance).tokens
         layers = self.first_layer
         first = layers.first.input_space(update)
+        if first is None:
+            raise ValueError(f"the update holds no gradient of the first attention layer ({layers.first.names()[0]}), "
+                             "which the bag of a model with a position table is read from")
         return span_bag(first.to(layers.inputs.embedding.device), layers.inputs, length - 1,
                         limit=self.options.pick_budget(batch_size, length)).tokens
 
@@ -242,12 +245,13 @@ class BatchedLoRA:
         """`update`: {name: gradient} of one client (B sequences of `length` tokens averaged). `on_step(step, seconds,
         sequences)` is called at each point of the trace as it is reached, the second search's steps named
         "second_search", "second_refine"... (a long attack's curve, written as it comes)."""
-        was_training = self.target.training
+        modes = {module: module.training for module in self.target.modules()}
         self.target.eval()  # the span tests read the inputs an eval-mode forward computes: no dropout
         try:
             return self._attack(update, batch_size, length, simulate, flat, on_step)
         finally:
-            self.target.train(was_training)
+            for module, training in modes.items():  # each module's own mode (a wrapper and its model may differ)
+                module.training = training
 
     def _attack(self, update: dict[str, Tensor], batch_size: int, length: int,
                 simulate: Callable[[list[list[int]]], Tensor] | None, flat: Tensor | None,

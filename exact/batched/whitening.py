@@ -7,7 +7,8 @@ makes the inputs roughly isotropic; a linear map keeps every span relation (x in
 span(WX)), so nothing is lost and the graded scores become informative.
 
 Two statistics: the *vocabulary* moment of the first site (every token's first-layer input, uniform; the
-dictionary bag recovery searches), and the *text* moment of every site (inputs the global model computes
+dictionary bag recovery searches; none for a model with a position table, whose bag comes from the first
+layer's span), and the *text* moment of every site (inputs the global model computes
 on the server's auxiliary text; the order search scores hidden states with it). Both are the server's to
 compute: global weights and its own text. `SiteWhitening.load_or_fit` caches them in one safetensors file
 keyed by the model's fingerprint, written atomically. Plain PyTorch.
@@ -124,6 +125,9 @@ class SiteWhitening:
                                  f"(key {meta.get('key')}, this threat model's {key}); delete it or choose another path")
             if set(tensors) - {"vocabulary"} != {"sites"} or tensors["sites"].shape[0] != len(sites):
                 raise ValueError(f"whitening cache {path} does not hold the whitening of {len(sites)} sites; delete it")
+            if ("vocabulary" in tensors) == has_position_table(target):
+                raise ValueError(f"whitening cache {path} was built for a model {'without' if 'vocabulary' in tensors else 'with'}"
+                                 " a position table; delete it or choose another path")
             return cls(tensors.get("vocabulary"), tensors["sites"])
         say(f"whitening the input spaces of {len(sites)} sites on {auxiliary_ids.shape[0]} auxiliary blocks")
         whitening = cls.fit(target, sites, auxiliary_ids)

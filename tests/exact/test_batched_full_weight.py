@@ -1,5 +1,5 @@
-"""The batched attack on full-weight updates of a tiny GPT-2 (d = 32, MLP 128, two layers, 16 tokens) whose batch
-outnumbers the model's width: the wide sites (MLP down-projections), the bag from the first layer's span, both
+"""The batched attack on full-weight updates of a tiny GPT-2 (d = 32, MLP 128, two layers, a vocabulary of 16,
+sequences of 12 tokens) whose batch outnumbers the model's width: the wide sites (MLP down-projections), the bag from the first layer's span, both
 against slow references, and the attack's parts put together."""
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ def test_the_span_bag_matches_a_per_token_reference_and_holds_the_visible_tokens
     assert set(bag.tokens) == visible
     # The reference tests the span by least squares (rank-revealing), to the same threshold
     assert set(bag.tokens) == reference_span_bag(first, pipe.target, LENGTH - 1)
-    assert bag.residuals == sorted(bag.residuals) and max(bag.residuals) < SPAN_BAG_THRESHOLD
+    # True inputs lie in the span to float32 rounding (the gradient is float32), far inside the threshold
+    assert max(bag.residuals) < 1e3 * EPS32
 
 
 def test_the_span_bag_of_a_full_span_is_empty():
@@ -112,29 +113,58 @@ def test_a_model_with_a_position_table_is_whitened_without_a_vocabulary_part_and
 
 
 def test_the_attack_reads_a_full_weight_update_whose_batch_outnumbers_the_width():
-    # B = 4: 44 inputs against a 32-wide model (every attention span full), within the MLP's 128
+    # B = 4: 44 inputs against a 32-wide model (the second attention layer's span full; the first layer's holds at
+    # most 16 tokens + 11 positions + 1 < 32, which the bag relies on), within the MLP's 128
+    from scipy.optimize import linear_sum_assignment
+
     batch = 4
     pipe = pipeline(batch)
+    pipe.target.train()  # the attack runs in eval mode and gives each module its own mode back
+    modes = [m.training for m in pipe.target.modules()]
     one = pipe.with_client(FedSGDClient("eval", 1))
     names = list(pipe.names)
     sites = wide_sites(pipe.target, names)
     whitening = SiteWhitening.fit(pipe.target, sites,
                                   torch.randint(0, VOCAB, (64, LENGTH), generator=torch.Generator().manual_seed(1)))
-    ids = batch_ids(batch, 5)
-    update, flat = update_of(pipe, ids)
 
     def simulate(sequences):
         return one({"input_ids": torch.tensor(sequences)[:, None]}, keep_update=True).update
 
-    # The refit certifies the true batch (the server's simulation of full weights is the client's)
-    assert least_squares_check(flat, simulate(ids.tolist()))[0] < 1e3 * EPS32
     attack = BatchedLoRA(pipe.target, names, whitening, BatchedOptions(lm_weight=0.0, refine=2, regrow=0),
                          sites=sites)
-    result = attack.attack(update, batch, LENGTH, simulate, flat)
-    assert set(result.bag) == set(ids[:, :-1].flatten().tolist())
-    assert len(result.sequences) == batch and all(len(s) == LENGTH for s in result.sequences)
-    assert all(0 <= t < VOCAB for s in result.sequences for t in s)
-    assert result.residual is not None and 0 <= result.residual <= 1
+    accuracies = []
+    for seed in (5, 6, 7):
+        ids = batch_ids(batch, seed)
+        update, flat = update_of(pipe, ids)
+        # The refit certifies the true batch (the server's simulation of full weights is the client's)
+        assert least_squares_check(flat, simulate(ids.tolist()))[0] < 1e3 * EPS32
+        result = attack.attack(update, batch, LENGTH, simulate, flat)
+        assert set(result.bag) == set(ids[:, :-1].flatten().tolist())
+        assert len(result.sequences) == batch and all(len(s) == LENGTH for s in result.sequences)
+        found, true = torch.tensor(result.sequences)[:, :-1], ids[:, :-1]
+        agree = (true[:, None] == found[None]).sum(-1)  # input positions, sequences matched one to one
+        rows, cols = linear_sum_assignment(-agree.numpy())
+        accuracies.append(float(agree[rows, cols].sum()) / true.numel())
+    assert [m.training for m in pipe.target.modules()] == modes
+    # Chance is about one token in the bag's 16; the search reads most of them (about 88% when written)
+    assert sum(accuracies) / len(accuracies) > 0.5
+
+
+def test_a_whitening_cache_of_a_model_without_a_position_table_is_refused_for_one_with_it(tmp_path):
+    from safetensors.torch import save_file
+
+    from exact.batched.whitening import SiteWhitening as Whitening
+
+    pipe = pipeline(2)
+    sites = wide_sites(pipe.target, list(pipe.names))
+    auxiliary = torch.randint(0, VOCAB, (8, LENGTH), generator=torch.Generator().manual_seed(1))
+    path = tmp_path / "whitening.safetensors"
+    eye = torch.eye(4 * WIDTH, dtype=torch.float64)
+    save_file({"vocabulary": torch.eye(WIDTH, dtype=torch.float64), "sites": eye.expand(2, -1, -1).contiguous()},
+              str(path), metadata={"key": Whitening.key("tiny-gpt2", sites, auxiliary)})
+    with pytest.raises(ValueError, match="without a position table") as error:
+        Whitening.load_or_fit(path, pipe.target, sites, auxiliary, "tiny-gpt2")
+    assert "\n" not in str(error.value)
 
 
 def test_a_full_weight_attack_without_the_first_layer_observed_is_refused_in_one_line():
@@ -144,4 +174,17 @@ def test_a_full_weight_attack_without_the_first_layer_observed_is_refused_in_one
     whitening = SiteWhitening(None, torch.eye(4 * WIDTH, dtype=torch.float64).expand(2, -1, -1).clone())
     with pytest.raises(ValueError, match="first attention layer") as error:
         BatchedLoRA(pipe.target, names, whitening, sites=sites)
+    assert "\n" not in str(error.value)
+
+
+def test_an_update_without_the_first_layer_gradient_is_refused_in_one_line():
+    pipe = pipeline(2)
+    names = list(pipe.names)
+    sites = wide_sites(pipe.target, names)
+    whitening = SiteWhitening(None, torch.eye(4 * WIDTH, dtype=torch.float64).expand(2, -1, -1).clone())
+    attack = BatchedLoRA(pipe.target, names, whitening, BatchedOptions(lm_weight=0.0), sites=sites)
+    update, _ = update_of(pipe, batch_ids(2, 0))
+    update = {n: g for n, g in update.items() if "h.0.attn.c_attn" not in n}
+    with pytest.raises(ValueError, match="no gradient of the first attention layer") as error:
+        attack.attack(update, 2, LENGTH)
     assert "\n" not in str(error.value)
