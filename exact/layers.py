@@ -31,6 +31,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from datamodules.federated.protocols.base import model_mode
 from datamodules.targets.architectures import (
     ARCHITECTURES,
     BY_MODEL_TYPE,
@@ -326,17 +327,14 @@ def detect_final_norm(target: nn.Module, head: nn.Module | None) -> FinalNorm | 
     handles.append(head.register_forward_pre_hook(lambda mod, a: box.append(a[0])))
     vocab = int(head.weight.shape[0])
     ids = torch.tensor([[1 % vocab, 7 % vocab]], device=head.weight.device)
-    was_training = target.training
-    target.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), model_mode(target, "eval"):
             target(ids) if hasattr(target, "body") else target(input_ids=ids)
     except Exception:  # noqa: BLE001 - detection is best effort; DAGER then skips last-token recovery
         return None
     finally:
         for h in handles:
             h.remove()
-        target.train(was_training)
     if not box:
         return None
     fed = box[0]

@@ -544,6 +544,46 @@ def test_lora_batch_progress_appends_each_step_scored_as_it_comes(tmp_path):
         blocked("search", 1.0, [[1, 2, 3, 4], [5, 6, 7, 8]])
 
 
+def test_row_log_appends_rows_stamped_with_one_run_id_per_process(tmp_path, capsys):
+    """The batched investigations' rows (`lora_batch`, `device_curve`, `full_weight_gpt2`): appended to the file
+    (its folder made), each printed, every row of one process stamped with the same run id, another process's
+    rows with its own; rows already in the file are kept."""
+    module = load_benchmark("investigations.batched.lora_batch")
+    path = tmp_path / "sub" / "rows.jsonl"
+    with module.RowLog(path) as log:
+        log.write({"update": 0, "token_acc": 0.5})
+        log.write({"update": 1, "run": "ignored", "token_acc": 0.75})  # the row's own fields win, as given
+    first = log.run
+    log2 = module.RowLog(path)
+    log2.run = first + "-next"  # another process (another pid)
+    with log2:
+        log2.write({"update": 0, "token_acc": 0.25})
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["run"], r["update"], r["token_acc"]) for r in rows] == [
+        (first, 0, 0.5), ("ignored", 1, 0.75), (first + "-next", 0, 0.25)]
+    assert capsys.readouterr().out.count('"token_acc"') == 3
+
+
+def test_full_weight_input_accuracy_matches_a_positional_matching_reference():
+    """`full_weight_gpt2.input_accuracy` (the metrics' matching) equals the best one-to-one matching of positional
+    agreement (a Hungarian reference) over the input positions and over all, on random near-copies."""
+    import torch
+    from scipy.optimize import linear_sum_assignment
+
+    module = load_benchmark("investigations.batched.full_weight_gpt2")
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        truth = torch.randint(0, 6, (5, 7), generator=generator)
+        found = truth[torch.randperm(5, generator=generator)].clone()
+        flip = torch.rand(found.shape, generator=generator) < 0.4
+        found[flip] = torch.randint(0, 6, (int(flip.sum()),), generator=generator)
+        for inputs_only, cut in ((True, slice(0, -1)), (False, slice(None))):
+            agree = (truth[:, cut][:, None] == found[:, cut][None]).sum(-1)
+            rows, cols = linear_sum_assignment(-agree.numpy())
+            reference = float(agree[rows, cols].sum()) / truth[:, cut].numel()
+            assert module.input_accuracy(found.tolist(), truth, inputs_only) == pytest.approx(reference)
+
+
 def test_lora_batch_measures_the_merge_of_two_searches_beside_the_kept_result():
     """`lora_batch` rows say what merging the two searches would have read (each search right on one of two
     sequences: merged, both); the attack's own result is left as it was, and one search gives no merge."""

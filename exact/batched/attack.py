@@ -22,6 +22,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from datamodules.federated.protocols.base import model_mode
 from exact.batched.bag import pick_budget, somp, span_bag
 from exact.batched.search import (
     SCREEN_PRECISIONS,
@@ -245,13 +246,8 @@ class BatchedLoRA:
         """`update`: {name: gradient} of one client (B sequences of `length` tokens averaged). `on_step(step, seconds,
         sequences)` is called at each point of the trace as it is reached, the second search's steps named
         "second_search", "second_refine"... (a long attack's curve, written as it comes)."""
-        modes = {module: module.training for module in self.target.modules()}
-        self.target.eval()  # the span tests read the inputs an eval-mode forward computes: no dropout
-        try:
+        with model_mode(self.target, "eval"):  # the span tests read the inputs an eval-mode forward computes
             return self._attack(update, batch_size, length, simulate, flat, on_step)
-        finally:
-            for module, training in modes.items():  # each module's own mode (a wrapper and its model may differ)
-                module.training = training
 
     def _attack(self, update: dict[str, Tensor], batch_size: int, length: int,
                 simulate: Callable[[list[list[int]]], Tensor] | None, flat: Tensor | None,

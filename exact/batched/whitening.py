@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from datamodules.federated.protocols.base import model_mode
 from exact.batched.sites import Site, capture_site_inputs
 
 #: Eigenvalues below this fraction of the largest are raised to it before the inverse square root: the
@@ -60,7 +61,8 @@ def text_moments(target: nn.Module, sites: list[Site], ids: Tensor, chunk: int =
     total, count = None, 0
     lm = _lm(target)
     for part in ids.split(chunk):
-        captured = capture_site_inputs(target, sites, lambda part=part: lm(part))
+        with model_mode(target, "eval"):  # the inputs the attack's eval-mode forward passes see: no dropout
+            captured = capture_site_inputs(target, sites, lambda part=part: lm(part))
         h = torch.stack([x.reshape(-1, x.shape[-1]).double() for x in captured])  # (S, n, d)
         moment = h.transpose(1, 2) @ h
         total = moment if total is None else total + moment

@@ -28,6 +28,7 @@ from lightning.pytorch import LightningModule, Trainer
 
 from datamodules.attack_data import AttackData
 from datamodules.federated.pipeline import UpdatePipeline
+from datamodules.federated.protocols.base import model_mode
 from datamodules.float_noise import same_up_to_float_noise
 from datamodules.metrics import discrete_accuracy, psnr
 from exact.callbacks.base import ExactAttackCallback
@@ -82,14 +83,11 @@ class SpearCallback(ExactAttackCallback):
         """True inputs of the layer (rows, n) for one update's samples, by a forward hook (eval mode)."""
         seen: list[torch.Tensor] = []
         handle = layer.module.register_forward_hook(lambda module, args, output: seen.append(args[0].detach()))
-        was_training = target.training
-        target.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), model_mode(target, "eval"):
                 target(model_input)
         finally:
             handle.remove()
-            target.train(was_training)
         return seen[0].reshape(-1, layer.module.in_features)
 
     def _prior(self, trainer: Trainer, target: torch.nn.Module, layer: ReluLinear) -> torch.Tensor | None:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from datamodules.federated.protocols.base import model_mode
 from exact.dager.options import (
     Budgets,
     CausalOptions,
@@ -133,35 +134,32 @@ class Dager:
             result.diagnostics["seconds"] = time.perf_counter() - start
             return result
         diag["architecture"] = layers.architecture
-        was_training = target.training
-        target.eval()
         points = self._trajectory_points(trajectory)
-        try:
-            with torch.no_grad():
-                result = DagerRun(self.options, target, layers, update, batch_size, max_length, diag).execute()
-                # A causal search returns maximal prefixes: a drifted sentence can pass at w cut short, so
-                # a full count does not mean the path has nothing to add. A bidirectional search scores
-                # whole sequences only: there a full count does (and its search is costly to repeat).
-                complete = result.exact if layers.causal else (batch_size is not None and _passed(result) == batch_size)
-                if len(points) > 1 and not complete:
-                    # Test again along the client's path (one more block-1 pass per point). Keep it if more
-                    # sequences pass, or as many that explain more of the gradients.
-                    again = DagerRun(self.options, target, layers, update, batch_size, max_length,
-                                     dict(diag, passed_at_global_weights=_passed(result)), points).execute()
-                    if _rank(again) > _rank(result):
-                        result = again
-                elif (len(points) <= 1 and self.options.extensions.peel and sequence_update is not None
-                      and batch_size is not None):
-                    result = peel(
-                        lambda residual, remaining: DagerRun(self.options, target, layers, residual, remaining, max_length,
-                                                             {"batch_size": remaining, "max_length": max_length}).execute(),
-                        update, batch_size, result, sequence_update,
-                        lambda u: self._second_singular_values(layers, u), self.options.span.rank_tol,
-                    )
-        except (RuntimeError, ValueError) as error:  # e.g. an SVD that does not converge on garbage input
-            result = degenerate(diag, f"{type(error).__name__}: {error}")
-        finally:
-            target.train(was_training)
+        with model_mode(target, "eval"):  # no dropout in the span tests' forward passes
+            try:
+                with torch.no_grad():
+                    result = DagerRun(self.options, target, layers, update, batch_size, max_length, diag).execute()
+                    # A causal search returns maximal prefixes: a drifted sentence can pass at w cut short, so
+                    # a full count does not mean the path has nothing to add. A bidirectional search scores
+                    # whole sequences only: there a full count does (and its search is costly to repeat).
+                    complete = result.exact if layers.causal else (batch_size is not None and _passed(result) == batch_size)
+                    if len(points) > 1 and not complete:
+                        # Test again along the client's path (one more block-1 pass per point). Keep it if more
+                        # sequences pass, or as many that explain more of the gradients.
+                        again = DagerRun(self.options, target, layers, update, batch_size, max_length,
+                                         dict(diag, passed_at_global_weights=_passed(result)), points).execute()
+                        if _rank(again) > _rank(result):
+                            result = again
+                    elif (len(points) <= 1 and self.options.extensions.peel and sequence_update is not None
+                          and batch_size is not None):
+                        result = peel(
+                            lambda residual, remaining: DagerRun(self.options, target, layers, residual, remaining, max_length,
+                                                                 {"batch_size": remaining, "max_length": max_length}).execute(),
+                            update, batch_size, result, sequence_update,
+                            lambda u: self._second_singular_values(layers, u), self.options.span.rank_tol,
+                        )
+            except (RuntimeError, ValueError) as error:  # e.g. an SVD that does not converge on garbage input
+                result = degenerate(diag, f"{type(error).__name__}: {error}")
         result.diagnostics["seconds"] = time.perf_counter() - start
         return result
 

@@ -33,6 +33,7 @@ from datamodules.federated import (
 from datamodules.federated.defenses import Compose
 from datamodules.federated.engines.next_token import group_gradients, group_gradients_loop, group_gradients_vmap
 from datamodules.federated.hashing import Hashing
+from datamodules.federated.protocols.base import model_mode
 from datamodules.targets import HFCausalLM, Transformer3
 from datamodules.targets.base import next_token_loss
 
@@ -522,3 +523,19 @@ def test_tiny_fit_with_protocol_overlays(make_config, tmp_path, overlays, client
         privacy = setting["privacy"]
         assert (privacy["steps"], privacy["sample_rate"]) == (2, 0.5)
         assert privacy["epsilon"] == pytest.approx(dp_epsilon(0.1, 0.5, 2, 1e-5))
+
+
+def test_model_mode_restores_each_module_s_own_mode_also_on_an_error():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5), torch.nn.Sequential(torch.nn.Dropout()))
+    model.train()
+    model[1].eval()  # a part the caller keeps in eval: `model.train(was_training)` would switch it back on
+    modes = [m.training for m in model.modules()]
+    with model_mode(model, "eval"):
+        assert not any(m.training for m in model.modules())
+    assert [m.training for m in model.modules()] == modes
+    with pytest.raises(RuntimeError, match="inside"), model_mode(model, "train"):
+        assert all(m.training for m in model.modules())
+        raise RuntimeError("inside")
+    assert [m.training for m in model.modules()] == modes
+    with pytest.raises(ValueError, match="must be 'train' or 'eval'"), model_mode(model, "test"):
+        pass

@@ -347,12 +347,14 @@ def test_train_mode_dropout_is_not_certified():
     assert result.diagnostics["mode"] == "dropout"
 
 
-def test_attack_restores_training_mode():
+def test_attack_restores_each_module_s_own_mode():
     target = gpt2()
     target.train()
+    next(m for m in target.modules() if isinstance(m, torch.nn.Dropout)).eval()  # modes that differ by module
+    modes = [m.training for m in target.modules()]
     ids, _ = random_batch(1, 6, seed=13)
     Dager().attack(target, client_update(target, ids), batch_size=1, max_length=6)
-    assert target.training
+    assert [m.training for m in target.modules()] == modes and len(set(modes)) == 2
 
 
 def test_bad_configuration_is_rejected():

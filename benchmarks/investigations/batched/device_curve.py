@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import time
 from pathlib import Path
 
@@ -45,7 +44,7 @@ def run(args) -> None:
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from benchmarks.investigations.batched.lora_batch import result_row
+    from benchmarks.investigations.batched.lora_batch import RowLog, result_row
     from datamodules.federated import FedSGDClient, LoRAClient, UpdatePipeline
     from datamodules.federated.pipeline import target_fingerprint
     from datamodules.targets import HFCausalLM
@@ -89,9 +88,7 @@ def run(args) -> None:
 
     held_out = blocks[args.split]
     sent = {n: p.detach().float().clone() for n, p in server.target.named_parameters() if n in set(names)}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("a") as log:
+    with RowLog(args.out) as log:
         for batch in args.batch_sizes:
             batched_client = copy.copy(server.client)  # the prepared adapters, B sequences per update
             batched_client.local = FedSGDClient("train", batch)
@@ -115,9 +112,7 @@ def run(args) -> None:
                        **result_row(found, ids, decode, seconds), "scorer": args.scorer, "beam": args.beam,
                        "refine": args.refine, "lm_weight": options.lm_weight, "screen_sites": args.screen_sites,
                        "shortlist": args.shortlist}
-                log.write(json.dumps(row) + "\n")
-                log.flush()
-                print(json.dumps(row), flush=True)
+                log.write(row)
 
 
 def main(argv: list[str] | None = None) -> None:

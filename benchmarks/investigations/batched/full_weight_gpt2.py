@@ -45,20 +45,20 @@ def export(out: str, length: int, data: str) -> None:
     print({k: tuple(v.shape) for k, v in tensors.items()})
 
 
-def matched_accuracy(found: list[list[int]], truth: torch.Tensor, positions: slice) -> float:
-    """Token accuracy over `positions` with the found sequences matched one-to-one to the true ones (Hungarian)."""
-    from scipy.optimize import linear_sum_assignment
+def input_accuracy(found: list[list[int]], truth: torch.Tensor, inputs_only: bool) -> float:
+    """Token accuracy with the found sequences matched to the true ones as the metrics match them
+    (`datamodules.metrics.score_batch`); `inputs_only`: over the input positions (all but the last, a label)."""
+    from datamodules.metrics import score_batch
 
-    got = torch.tensor(found)[:, positions]
-    want = truth[:, positions].cpu()
-    agree = (want[:, None, :] == got[None, :, :]).sum(-1)  # (true, found)
-    rows, cols = linear_sum_assignment(-agree.numpy())
-    return float(agree[rows, cols].sum()) / want.numel()
+    if inputs_only:
+        found, truth = [s[:-1] for s in found], truth[:, :-1]
+    return score_batch(found, truth.cpu(), None)["token_acc"]
 
 
 def run(args) -> None:
     from safetensors.torch import load_file
 
+    from benchmarks.investigations.batched.lora_batch import RowLog
     from datamodules.federated import FedSGDClient, UpdatePipeline
     from datamodules.federated.observed import ParameterSelection
     from datamodules.targets import HFCausalLM
@@ -90,10 +90,8 @@ def run(args) -> None:
         return one({"input_ids": ids}, keep_update=True).update
 
     held_out = blocks["evaluation"]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     batch = args.batch_size
-    with out.open("a") as log:
+    with RowLog(args.out) as log:
         for k in range(args.first_update, args.first_update + args.updates):
             generator = torch.Generator().manual_seed(7919 * batch + k)
             ids = held_out[torch.randperm(held_out.shape[0], generator=generator)[:batch]].to(device)
@@ -105,7 +103,7 @@ def run(args) -> None:
             began = time.perf_counter()
             def progress(step, seconds, sequences, k=k, ids=ids):  # a long update's curve, as it comes
                 print(json.dumps({"update": k, "step": step, "seconds": round(seconds, 1),
-                                  "token_acc_inputs": matched_accuracy(sequences, ids, slice(0, -1))}), flush=True)
+                                  "token_acc_inputs": input_accuracy(sequences, ids, True)}), flush=True)
 
             found = attack.attack(update, batch, ids.shape[1], simulate if args.check else None,
                                   flat if args.check else None, on_step=progress)
@@ -117,12 +115,12 @@ def run(args) -> None:
                    "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                    "distinct_input_tokens": len(visible), "bag_size": len(found.bag),
                    "bag_recall": len(visible & set(found.bag)) / max(1, len(visible)),
-                   "token_acc_inputs": matched_accuracy(found.sequences, ids, slice(0, -1)),
-                   "token_acc": matched_accuracy(found.sequences, ids, slice(None)),
+                   "token_acc_inputs": input_accuracy(found.sequences, ids, True),
+                   "token_acc": input_accuracy(found.sequences, ids, False),
                    "exact_inputs": sum(s[:-1] in ids[:, :-1].tolist() for s in found.sequences) / batch,
                    "residual": found.residual, "kept_per_pass": found.kept_per_pass, "seconds": round(seconds, 1),
                    "phase_seconds": {k: round(v, 1) for k, v in found.seconds.items()},
-                   "trace_inputs": [(step, round(t, 1), matched_accuracy(s, ids, slice(0, -1)))
+                   "trace_inputs": [(step, round(t, 1), input_accuracy(s, ids, True))
                                     for step, t, s in found.trace],
                    "beam": args.beam, "refine": args.refine, "check": args.check, "screen_sites": args.screen_sites,
                    "shortlist": args.shortlist, "whitening_blocks": args.whitening_blocks}
@@ -134,12 +132,10 @@ def run(args) -> None:
                 length = ids.shape[1]
                 padded = [(list(s) + [-1] * length)[:length] for s in dager.sequences[:batch]]
                 padded += [[-1] * length] * (batch - len(padded))
-                row["dager"] = {"token_acc_inputs": matched_accuracy(padded, ids, slice(0, -1)),
-                                "token_acc": matched_accuracy(padded, ids, slice(None)),
+                row["dager"] = {"token_acc_inputs": input_accuracy(padded, ids, True),
+                                "token_acc": input_accuracy(padded, ids, False),
                                 "mode": dager.diagnostics.get("mode"), "seconds": round(time.perf_counter() - began, 1)}
-            log.write(json.dumps(row) + "\n")
-            log.flush()
-            print(json.dumps(row), flush=True)
+            log.write(row)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -151,6 +151,31 @@ def merged_row(found, update: torch.Tensor, simulate, ids: torch.Tensor, decode)
             "seconds": round(time.perf_counter() - began, 2)}
 
 
+class RowLog:
+    """One JSON line per measured update, appended to `path` (its folder made), flushed and printed as each ends,
+    every row stamped with this process's `run` id (a rerun of an update is told apart from an earlier one in the
+    same file; the progress points of `progress_writer` carry the same id). Use as a context manager."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.run = f"{time.strftime('%Y-%m-%dT%H:%M:%S')}-{os.getpid()}"
+        self._file = None
+
+    def __enter__(self) -> RowLog:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._file.close()
+
+    def write(self, row: dict) -> None:
+        line = json.dumps({"run": self.run, **row})
+        self._file.write(line + "\n")
+        self._file.flush()
+        print(line, flush=True)
+
+
 def progress_writer(path: str | None, batch: int, update: int, split: str, ids: torch.Tensor, decode,
                     run: str = ""):
     """An attack's `on_step` appending each step's token accuracy to the JSONL file `path` as it comes (None: no
@@ -258,10 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     attack = BatchedLoRA(bench.target, bench.names, bench.whitening, options,
                          site_weights=weights.sites if weights else None, second_opinion=second)
     simulate = bench.simulate
-    run = f"{time.strftime('%Y-%m-%dT%H:%M:%S')}-{os.getpid()}"  # names this run's points in --progress
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("a") as log:
+    with RowLog(args.out) as log:
         for batch in args.batch_sizes:
             for k in range(args.first_update, args.first_update + args.updates):
                 generator = torch.Generator().manual_seed(7919 * batch + k)
@@ -271,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
                 began = time.perf_counter()
                 found = attack.attack(split, batch, ids.shape[1], simulate if args.label_candidates > 0 else None,
                                       update, on_step=progress_writer(args.progress, batch, k, args.split, ids, decode,
-                                                                      run))
+                                                                      log.run))
                 seconds = time.perf_counter() - began
                 row = {"B": batch, "L": ids.shape[1], "update": k, "split": args.split, "lm_weight": args.lm_weight,
                        "beam": args.beam, "pick_budget": options.pick_budget(batch, ids.shape[1]),
@@ -289,9 +311,7 @@ def main(argv: list[str] | None = None) -> None:
                        "overrides": dict(args.set),
                        "second_opinion_file": args.second_opinion}
                 row["merged"] = merged_row(found, update, simulate, ids, decode)  # None: one search ran
-                log.write(json.dumps(row) + "\n")
-                log.flush()
-                print(json.dumps(row), flush=True)
+                log.write(row)
 
 
 if __name__ == "__main__":

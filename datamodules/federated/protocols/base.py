@@ -52,13 +52,18 @@ class Observation:
 
 @contextmanager
 def model_mode(target: nn.Module, mode: str):
-    """Run with the model in `train()` (dropout on) or `eval()` mode, restoring its mode afterwards."""
-    was_training = target.training
+    """Run with the model in `train()` (dropout on) or `eval()` mode, restoring afterwards (also on an error) each
+    module's own mode: a wrapper and the model it holds, or a frozen part kept in eval, may differ, and
+    `target.train(was_training)` would set them all alike."""
+    if mode not in ("train", "eval"):
+        raise ValueError(f"mode={mode!r} must be 'train' or 'eval'")
+    modes = [(module, module.training) for module in target.modules()]
     target.train(mode == "train")
     try:
         yield
     finally:
-        target.train(was_training)
+        for module, training in modes:
+            module.training = training
 
 
 def check_choice(what: str, value: str, allowed: Sequence[str]) -> None:
