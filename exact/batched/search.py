@@ -18,7 +18,7 @@ re-simulates the sequences' gradients and fits the update. Plain PyTorch.
 
 from __future__ import annotations
 
-import contextlib
+import copy
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -216,17 +216,31 @@ class ExtensionCache:
             self.bytes -= dropped.nbytes
 
 
+def bfloat16_twin(target: nn.Module) -> nn.Module:
+    """A copy of the global model whose parameters are bfloat16, for a screen (which only shortlists): on a CPU
+    with bfloat16 instructions its matrix products run about twice as fast, and unlike autocast it casts no
+    activation. Buffers stay as they are (RoPE's inverse frequencies rounded to bfloat16 would turn late
+    positions' angles). It holds the weights of the moment it is made: an attack makes it once, for its searches."""
+    twin = copy.deepcopy(target)
+    for parameter in twin.parameters():
+        parameter.data = parameter.data.to(torch.bfloat16)
+        parameter.requires_grad_(False)
+    return twin
+
+
 class Prefixes:
     """Prefixes (P, p) run once through the global model: `logp` (P, V), their next token's log-probabilities,
     `inputs`, their own site inputs (P, p, d) per site, and `extend(rows, tokens)`, the site inputs of prefix
-    `rows[k]` extended by `tokens[k]` (its last position), computed in chunks from the prefixes' cache."""
+    `rows[k]` extended by `tokens[k]` (its last position), computed in chunks from the prefixes' cache.
+    `screen_model` (`bfloat16_twin(target)`) runs the extensions asked for in "bfloat16", from the same cache
+    cast to bfloat16."""
 
     #: Extensions per forward pass: each copies the prefix's key/value cache (every layer), so memory grows with
     #: rows * p; a few thousand tokens also keep the matrix products large enough for the CPU.
     CHUNK_TOKENS = 8192
 
-    def __init__(self, target: nn.Module, sites: list[Site], ids: Tensor) -> None:
-        self.target, self.sites = target, sites
+    def __init__(self, target: nn.Module, sites: list[Site], ids: Tensor, screen_model: nn.Module | None = None) -> None:
+        self.target, self.sites, self.screen_model = target, sites, screen_model
         lm, self.base, _ = decoder(target)
         stepped: list = []
         self.inputs = capture_site_inputs(target, sites, lambda: stepped.append(_step(lm, ids)))
@@ -242,7 +256,7 @@ class Prefixes:
         stepped: list = []
         new = capture_site_inputs(self.target, self.sites, lambda: stepped.append(_step(lm, tokens[:, None], expanded)))
         out = Prefixes.__new__(Prefixes)
-        out.target, out.sites, out.base = self.target, self.sites, self.base
+        out.target, out.sites, out.base, out.screen_model = self.target, self.sites, self.base, self.screen_model
         out.logp, out.cache = stepped[0]
         out.inputs = [torch.cat([old[rows], h.to(old)], dim=1) for old, h in zip(self.inputs, new)]
         out.length = self.length + 1
@@ -253,11 +267,12 @@ class Prefixes:
                cache: ExtensionCache | None = None) -> list[Tensor]:
         """(K, d) per site (the first `upto` sites only: the forward pass stops there; without `upto` it stops at
         the last site, as `adapter_sites` lists the sites in the order the model runs them). `precision`
-        "bfloat16": the matrix products run under bfloat16 autocast and the site inputs come back in the model's
-        dtype (for a screen, which only shortlists). `cache`: extensions it holds are not run again, and those run
-        are put in it."""
+        "bfloat16": run by the `screen_model` (needed), the site inputs back in the model's dtype (for a screen,
+        which only shortlists). `cache`: extensions it holds are not run again, and those run are put in it."""
         if precision not in SCREEN_PRECISIONS:
             raise ValueError(f"precision={precision!r} must be one of {', '.join(SCREEN_PRECISIONS)}")
+        if precision == "bfloat16" and self.screen_model is None:
+            raise ValueError("a bfloat16 extension needs the prefixes' screen_model (exact.batched.search.bfloat16_twin)")
         sites = len(self.sites) if upto is None else min(upto, len(self.sites))
         if sites < 1:
             raise ValueError(f"upto={upto} must be >= 1 (or None: every site)")
@@ -291,17 +306,16 @@ class Prefixes:
             return [self.inputs[0].new_zeros(0, self.inputs[0].shape[-1]) for _ in range(sites)]
         chunk = max(1, self.CHUNK_TOKENS // self.length)
         dtype = self.inputs[0].dtype
+        model, low = (self.screen_model, torch.bfloat16) if precision == "bfloat16" else (self.target, None)
+        base = self.base if low is None else decoder(model)[1]
         parts = []
         for start in range(0, rows.numel(), chunk):
-            expanded = _reorder(self.cache, rows[start : start + chunk])
+            expanded = _reorder(self.cache, rows[start : start + chunk], low)
             part = tokens[start : start + chunk, None]
-            low = (torch.autocast(self.logp.device.type, dtype=torch.bfloat16) if precision == "bfloat16"
-                   else contextlib.nullcontext())
-            with low:
-                captured = capture_site_inputs(
-                    self.target, self.sites, lambda part=part, expanded=expanded: self.base(
-                        input_ids=part, use_cache=True, **{cache_keyword(self.base): expanded}),
-                    upto=sites)
+            captured = capture_site_inputs(
+                model, self.sites, lambda part=part, expanded=expanded: base(
+                    input_ids=part, use_cache=True, **{cache_keyword(base): expanded}),
+                upto=sites)
             parts.append([h[:, -1].to(dtype) for h in captured])
         return [torch.cat(columns) for columns in zip(*parts)]
 
@@ -312,8 +326,8 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
                    label_candidates: int = 1, labels: list[list[int]] | None = None,
                    others: list[list[Tensor]] | None = None, screen_sites: int = 0,
                    shortlist: int = 0, fixed: list[Tensor] | None = None,
-                   screen_precision: str = "float32",
-                   cache: ExtensionCache | None = None) -> tuple[list[list[int]], list[list[float]]]:
+                   screen_precision: str = "float32", cache: ExtensionCache | None = None,
+                   screen_model: nn.Module | None = None) -> tuple[list[list[int]], list[list[float]]]:
     """B sequences of `length` tokens grown over the bag (each token usable any number of times), and each
     chosen token's margin over the runner-up (a confidence; the last token's is its LM log-probability
     margin). `labels`, if given, receives each sequence's `label_candidates` likeliest last tokens.
@@ -327,9 +341,10 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
     `screen_sites`, `shortlist`: when both are set, every extension is first scored by the first
     `screen_sites` sites alone, weighed alike (the forward pass stops there; deflated by the inputs known
     when the position starts), and only the `shortlist` best per sequence run through every site; 0 scores
-    every extension at every site. `screen_precision` "bfloat16": the screen's forward pass runs under bfloat16
-    autocast (the full pass, which chooses, stays in the model's precision). `cache`: extensions computed before
-    (by this search or an earlier one of the same attack) are reused (`ExtensionCache`).
+    every extension at every site. `screen_precision` "bfloat16": the screen's forward pass runs in `screen_model`
+    (`bfloat16_twin(target)`, made here if not given; the full pass, which chooses, stays in the model's precision).
+    `cache`: extensions computed before (by this search or an earlier one of the same attack) are reused
+    (`ExtensionCache`).
 
     The extensions of all B sequences' beams run through the model together (their inputs do not depend on
     each other); only their scores do, through deflation, so the choices are made sequence by sequence."""
@@ -340,6 +355,8 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
     if screen_precision not in SCREEN_PRECISIONS:
         raise ValueError(f"screen_precision={screen_precision!r} must be one of {', '.join(SCREEN_PRECISIONS)}")
     labels = [] if labels is None else labels
+    if screen_precision == "bfloat16" and screen_model is None:
+        screen_model = bfloat16_twin(target)
     lm, base, device = decoder(target)
     candidates = torch.tensor(bag, dtype=torch.long, device=device)
     sequences: list[list[int]] = [[] for _ in range(batch_size)]
@@ -384,7 +401,7 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
     # A beam entry: (tokens, cumulative score); `run` holds every sequence's beam as rows of one batch of
     # prefixes, in sequence order, a sequence's best prefix first.
     beams = [[(list(s), 0.0)] for s in sequences]
-    run = Prefixes(target, sites, torch.tensor(sequences, dtype=torch.long, device=device))
+    run = Prefixes(target, sites, torch.tensor(sequences, dtype=torch.long, device=device), screen_model)
     for p in range(1, length):
         owners = [i for i in range(batch_size) for _ in beams[i]]
         flat = [b for i in range(batch_size) for b in beams[i]]
@@ -460,12 +477,16 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
     return sequences, margins
 
 
-def _reorder(cache, rows: Tensor):
-    """A copy of the key/value cache holding rows `rows` (repeats allowed)."""
-    import copy
-
+def _reorder(cache, rows: Tensor, dtype: torch.dtype | None = None):
+    """A copy of the key/value cache holding rows `rows` (repeats allowed), its keys and values cast to `dtype` if
+    given (a bfloat16 screen's)."""
     copied = copy.deepcopy(cache)
     copied.reorder_cache(rows)
+    if dtype is not None:
+        for layer in copied.layers:
+            layer.keys, layer.values = layer.keys.to(dtype), layer.values.to(dtype)
+            if hasattr(layer, "dtype"):
+                layer.dtype = dtype
     return copied
 
 
@@ -481,8 +502,8 @@ def sequence_inputs(target: nn.Module, sites: list[Site], sequences: list[list[i
 @torch.no_grad()
 def refine_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag: list[int],
                      sequences: list[list[int]], lm_weight: float = 0.0, beam: int = 1, screen_sites: int = 0,
-                     shortlist: int = 0, screen_precision: str = "float32",
-                     cache: ExtensionCache | None = None) -> list[list[int]]:
+                     shortlist: int = 0, screen_precision: str = "float32", cache: ExtensionCache | None = None,
+                     screen_model: nn.Module | None = None) -> list[list[int]]:
     """One pass of refinement: every sequence grown again with every other sequence's inputs (all their
     positions, as found so far) known. With the others right, the rows' unknown inputs are this sequence's
     own L - 1, fewer than a site's 2r rows at L <= 2r: the span test becomes a membership test. The B
@@ -493,7 +514,7 @@ def refine_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, b
     others = [[torch.cat([h[:i], h[i + 1 :]]).reshape(-1, h.shape[-1]) for h in inputs] for i in range(len(sequences))]
     grown, _ = grow_sequences(target, sites, scorer, bag, len(sequences), len(sequences[0]), lm_weight, beam=beam,
                               others=others, screen_sites=screen_sites, shortlist=shortlist,
-                              screen_precision=screen_precision, cache=cache)
+                              screen_precision=screen_precision, cache=cache, screen_model=screen_model)
     return [g[:-1] + [s[-1]] for g, s in zip(grown, sequences)]  # the last token stays the refit's to choose
 
 

@@ -316,12 +316,18 @@ def test_the_prior_from_the_last_position_and_the_cached_extension_equal_full_re
 
 
 def test_a_bfloat16_extension_is_close_to_the_float32_one_and_the_full_extension_stops_at_the_last_site():
-    from exact.batched.search import Prefixes
+    from exact.batched.search import Prefixes, bfloat16_twin
 
     pipe = pipeline(1)
     sites = adapter_sites(list(pipe.names))
     ids = torch.randint(0, VOCAB, (2, 4), generator=torch.Generator().manual_seed(10))
-    run = Prefixes(pipe.target, sites, ids)
+    before = {n: p.clone() for n, p in pipe.target.state_dict().items()}
+    twin = bfloat16_twin(pipe.target)
+    # The twin's parameters are bfloat16, its buffers (RoPE's frequencies) and the target itself unchanged.
+    assert all(p.dtype == torch.bfloat16 for p in twin.parameters())
+    assert all(b.dtype == before_b.dtype for b, before_b in zip(twin.buffers(), pipe.target.buffers()))
+    assert all(torch.equal(p, before[n]) and p.dtype == before[n].dtype for n, p in pipe.target.state_dict().items())
+    run = Prefixes(pipe.target, sites, ids, twin)
     rows, tokens = torch.tensor([1, 0, 1]), torch.tensor([7, 8, 200])
     # Nothing after the last site's module runs: the last layer's MLP is past the last q/v input.
     reached = []
@@ -335,9 +341,11 @@ def test_a_bfloat16_extension_is_close_to_the_float32_one_and_the_full_extension
     low = run.extend(rows, tokens, precision="bfloat16")
     for got, want in zip(low, exact):
         # bfloat16 keeps about 3 significant digits
-        assert got.dtype == want.dtype and (got - want).norm() < 0.05 * want.norm()
-    # The first site's input is the normed embedding, no matrix product; the second's comes through layer 0's.
-    assert torch.equal(low[0], exact[0]) and not torch.equal(low[1], exact[1])
+        assert got.dtype == want.dtype and (got - want).norm() < 0.05 * want.norm() and not torch.equal(got, want)
+    # Advanced prefixes carry the twin; without one a bfloat16 extension is refused in one line.
+    assert run.advance(rows, tokens).screen_model is twin
+    with pytest.raises(ValueError, match="a bfloat16 extension needs the prefixes' screen_model"):
+        Prefixes(pipe.target, sites, ids).extend(rows, tokens, precision="bfloat16")
     with pytest.raises(ValueError, match="precision='bf16' must be one of float32, bfloat16"):
         run.extend(rows, tokens, precision="bf16")
 
@@ -476,9 +484,10 @@ def test_refinement_takes_its_own_beam_and_shortlist(monkeypatch):
     seen = []
 
     def recorded(target, sites, scorer, bag, sequences, lm_weight=0.0, beam=1, screen_sites=0, shortlist=0,
-                 screen_precision="float32", cache=None):
+                 screen_precision="float32", cache=None, screen_model=None):
         assert cache is None  # the extension cache is off by default
         seen.append((beam, screen_sites, shortlist, screen_precision))
+        models.append(screen_model)
         return [list(s) for s in sequences]
 
     monkeypatch.setattr(attack_module, "refine_sequences", recorded)
@@ -487,6 +496,7 @@ def test_refinement_takes_its_own_beam_and_shortlist(monkeypatch):
 
     def search_recorded(*args, **kwargs):
         searched.append(kwargs["screen_precision"])
+        models.append(kwargs["screen_model"])
         return original(*args, **kwargs)
 
     monkeypatch.setattr(attack_module, "grow_sequences", search_recorded)
@@ -494,9 +504,16 @@ def test_refinement_takes_its_own_beam_and_shortlist(monkeypatch):
                           (dict(screen_precision="bfloat16"), (3, 1, 7, "bfloat16")),
                           (dict(refine_screen_sites=2), (3, 2, 7, "float32"))]:
         seen.clear()
-        BatchedLoRA(pipe.target, list(pipe.names), whitening, BatchedOptions(
-            refine=1, beam=3, screen_sites=1, shortlist=7, label_candidates=1, **options)).attack(update, 2, 5)
+        models = []
+        attack = BatchedLoRA(pipe.target, list(pipe.names), whitening, BatchedOptions(
+            refine=1, beam=3, screen_sites=1, shortlist=7, label_candidates=1, **options))
+        attack.attack(update, 2, 5)
         assert seen == [want] and searched == [want[3]]  # the search screens in the same precision
+        # A bfloat16 screen's model is made once per update, shared by the search and refinement, then let go.
+        assert len(models) == 2 and models[0] is models[1] and attack._screen_model is None
+        assert (models[0] is None) == (want[3] == "float32")
+        if models[0] is not None:
+            assert next(models[0].parameters()).dtype == torch.bfloat16
         searched.clear()
     with pytest.raises(ValueError, match="refine_beam=0 must be >= 1"):
         BatchedOptions(refine_beam=0)
@@ -691,12 +708,12 @@ def test_a_cached_extension_equals_a_recompute_and_is_not_run_again():
     """Through `Prefixes.extend`: the first call runs every extension and holds them; asked again (also at fewer
     sites, as a screen asks) nothing runs and the inputs are those held; asked at more sites than held, it runs
     again. Each equals `extend` without a cache (a slow reference: every extension through the model)."""
-    from exact.batched.search import ExtensionCache, Prefixes
+    from exact.batched.search import ExtensionCache, Prefixes, bfloat16_twin
 
     pipe = pipeline(1)
     sites = adapter_sites(list(pipe.names))
     ids = torch.randint(0, VOCAB, (2, 4), generator=torch.Generator().manual_seed(10))
-    run = Prefixes(pipe.target, sites, ids)
+    run = Prefixes(pipe.target, sites, ids, bfloat16_twin(pipe.target))
     rows, tokens = torch.tensor([1, 0, 1]), torch.tensor([7, 8, 200])
     reference = run.extend(rows, tokens)
     cache = ExtensionCache(2**20)

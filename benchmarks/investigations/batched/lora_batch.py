@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shortlist", type=int, default=BatchedOptions.shortlist,
                         help="extensions per sequence scored by every site after the screen")
     parser.add_argument("--screen-precision", default=BatchedOptions.screen_precision, choices=SCREEN_PRECISIONS,
-                        help="the screen's forward pass precision (bfloat16: autocast)")
+                        help="the screen's forward pass precision (bfloat16: a copy of the model with bfloat16 weights)")
     parser.add_argument("--extension-cache-gib", type=float, default=BatchedOptions.extension_cache_gib,
                         help="memory for extensions' site inputs reused by later steps of an attack (0: none)")
     parser.add_argument("--scorer", default=None, help="learned scorer weights (train_scorer's output); "
