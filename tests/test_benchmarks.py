@@ -564,6 +564,21 @@ def test_row_log_appends_rows_stamped_with_one_run_id_per_process(tmp_path, caps
     assert capsys.readouterr().out.count('"token_acc"') == 3
 
 
+def test_every_batched_investigation_draws_an_update_s_blocks_from_one_seed():
+    """`Setup.draw` (lora_batch, extension_cache_pass, screen_recall): update k of B takes the blocks
+    randperm(seed 7919 B + k)[:B] of the split asked for."""
+    import types
+
+    import torch
+
+    module = load_benchmark("investigations.batched.lora_batch")
+    blocks = types.SimpleNamespace(evaluation=torch.arange(40).reshape(20, 2), tail=-torch.arange(40).reshape(20, 2))
+    for split, held_out in (("evaluation", blocks.evaluation), ("auxiliary_tail", blocks.tail)):
+        drawn = module.Setup.draw(blocks, split, 4, 3)
+        order = torch.randperm(20, generator=torch.Generator().manual_seed(7919 * 4 + 3))[:4]
+        assert torch.equal(drawn, held_out[order])
+
+
 def test_full_weight_input_accuracy_matches_a_positional_matching_reference():
     """`full_weight_gpt2.input_accuracy` (the metrics' matching) equals the best one-to-one matching of positional
     agreement (a Hungarian reference) over the input positions and over all, on random near-copies."""

@@ -60,13 +60,13 @@ def text_moments(target: nn.Module, sites: list[Site], ids: Tensor, chunk: int =
     """(S, d, d) float64 second moments of every site's inputs over the token blocks `ids` (N, L)."""
     total, count = None, 0
     lm = _lm(target)
-    for part in ids.split(chunk):
-        with model_mode(target, "eval"):  # the inputs the attack's eval-mode forward passes see: no dropout
+    with model_mode(target, "eval"):  # the inputs the attack's eval-mode forward passes see: no dropout
+        for part in ids.split(chunk):
             captured = capture_site_inputs(target, sites, lambda part=part: lm(part))
-        h = torch.stack([x.reshape(-1, x.shape[-1]).double() for x in captured])  # (S, n, d)
-        moment = h.transpose(1, 2) @ h
-        total = moment if total is None else total + moment
-        count += h.shape[1]
+            h = torch.stack([x.reshape(-1, x.shape[-1]).double() for x in captured])  # (S, n, d)
+            moment = h.transpose(1, 2) @ h
+            total = moment if total is None else total + moment
+            count += h.shape[1]
     if total is None:
         raise ValueError("no auxiliary text to compute the whitening from")
     return total / count

@@ -17,13 +17,10 @@ import json
 import time
 from pathlib import Path
 
-import torch
-
 
 def main(argv: list[str] | None = None) -> None:
     from benchmarks.investigations.batched.lora_batch import Setup
     from exact.batched import BatchedLoRA, BatchedOptions
-    from exact.batched.bag import somp
     from exact.batched.search import ExtensionCache, SpanScorer, grow_sequences, refine_sequences
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -37,16 +34,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     bench = Setup(args.config, 512, args.whitening_cache)
-    held_out = bench.evaluation if args.split == "evaluation" else bench.tail
     batch = args.batch_size
-    generator = torch.Generator().manual_seed(7919 * batch + args.update)  # lora_batch's draw
-    ids = held_out[torch.randperm(held_out.shape[0], generator=generator)[:batch]]
+    ids = bench.draw(args.split, batch, args.update)
     _, update = bench.observed(ids, 0.05, seed=7919 * batch + args.update)
     options = BatchedOptions()
     attack = BatchedLoRA(bench.target, bench.names, bench.whitening, options)
     rows = [site.rows(update).double() for site in attack.sites]
-    bag = somp(rows[0] @ bench.whitening.vocabulary, attack.dictionary,
-               options.pick_budget(batch, ids.shape[1]), options.tolerance).tokens
+    bag = attack.bag(update, rows, batch, ids.shape[1])
     scorer = SpanScorer(rows, bench.whitening.sites)
     began = time.perf_counter()
     sequences, _ = grow_sequences(bench.target, attack.sites, scorer, bag, batch, ids.shape[1], options.lm_weight,

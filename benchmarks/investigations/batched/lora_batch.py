@@ -56,6 +56,13 @@ class Setup:
                                                    aux[: self.whitening_blocks], self.fingerprint)
         self._clients: dict[tuple[int, float, int], object] = {}
 
+    def draw(self, split: str, batch: int, k: int) -> torch.Tensor:
+        """Update k's B blocks (B, L) of `split` ("evaluation" or "auxiliary_tail"): every batched investigation's
+        draw (seed 7919 B + k, also the seed of the client's own randomness in `observed`)."""
+        held_out = self.evaluation if split == "evaluation" else self.tail
+        generator = torch.Generator().manual_seed(7919 * batch + k)
+        return held_out[torch.randperm(held_out.shape[0], generator=generator)[:batch]]
+
     def simulate(self, sequences: list[list[int]]) -> torch.Tensor:
         """The update each sequence alone gives (the server's own simulation, one sequence per update)."""
         return self.server({"input_ids": torch.tensor(sequences)[:, None]}, keep_update=True).update
@@ -264,7 +271,6 @@ def main(argv: list[str] | None = None) -> None:
     overrides = [item for key, value in args.set for item in (f"--{key}", value)]
     bench = Setup(args.config, args.whitening_blocks, args.whitening_cache, overrides)
     local_dp = None if args.local_dp_epsilon is None else (args.local_dp_epsilon, args.local_dp_delta)
-    held_out = bench.evaluation if args.split == "evaluation" else bench.tail
     decode = lambda t: bench.data.tokenizer.decode(t)  # noqa: E731
     weights = None
     if args.scorer:
@@ -286,8 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     with RowLog(args.out) as log:
         for batch in args.batch_sizes:
             for k in range(args.first_update, args.first_update + args.updates):
-                generator = torch.Generator().manual_seed(7919 * batch + k)
-                ids = held_out[torch.randperm(held_out.shape[0], generator=generator)[:batch]]
+                ids = bench.draw(args.split, batch, k)
                 update, split = bench.observed(ids, args.lr, args.clip_norm, args.local_epochs, local_dp,
                                                seed=7919 * batch + k)
                 began = time.perf_counter()
