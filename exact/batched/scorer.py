@@ -88,19 +88,33 @@ class Example:
     true: int
 
 
-@torch.no_grad()
+#: What a scored extension's deflation knows: "search", the joint search's (every sequence's positions before p, the
+#: sequences before i at p); "refine", a refinement pass's (every other sequence whole, i's positions before p).
+STATES = ("search", "refine")
+
+
 def extension_examples(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag: list[int],
-                       ids: Tensor) -> list[Example]:
+                       ids: Tensor, state: str = "search") -> list[Example]:
     """The examples of one simulated update of the sequences `ids` (B, L): for every input position p >= 1
     and sequence i, every bag token as the extension of i's true prefix, scored with the inputs the search
-    would know by then (every sequence's positions before p, the sequences before i at p) deflated. A true
+    would know by then deflated (`state`: the joint search's or a refinement pass's, `STATES`). A true
     token missing from the bag gives no example."""
+    return examples_by_state(target, sites, scorer, bag, ids, (state,))[state]
+
+
+@torch.no_grad()
+def examples_by_state(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag: list[int], ids: Tensor,
+                      states: tuple[str, ...] = STATES) -> dict[str, list[Example]]:
+    """`extension_examples` of several states from one forward pass of the candidates."""
+    for state in states:
+        if state not in STATES:
+            raise ValueError(f"state={state!r} is not one of {STATES}")
     _, _, device = decoder(target)
     ids = ids.to(device)
     candidates = torch.tensor(bag, dtype=torch.long, device=device)
     where = {token: k for k, token in enumerate(bag)}
     truth_inputs = sequence_inputs(target, sites, ids)  # (B, L-1, d) per site
-    examples = []
+    examples: dict[str, list[Example]] = {state: [] for state in states}
     batch = ids.shape[0]
     rows = torch.arange(batch, device=device).repeat_interleave(len(bag))
     for p in range(1, ids.shape[1] - 1):
@@ -110,10 +124,16 @@ def extension_examples(target: nn.Module, sites: list[Site], scorer: SpanScorer,
             true = where.get(int(ids[i, p]))
             if true is None:
                 continue
-            known = [torch.cat([h[:, :p].reshape(-1, h.shape[-1]), h[:i, p]]) for h in truth_inputs]
             mine = slice(i * len(bag), (i + 1) * len(bag))
-            examples.append(Example(scorer.terms([h[mine] for h in hidden], scorer.bases(known)).cpu(),
-                                    run.logp[i, candidates].double().cpu(), true))
+            prior = run.logp[i, candidates].double().cpu()
+            for state in states:
+                if state == "search":
+                    known = [torch.cat([h[:, :p].reshape(-1, h.shape[-1]), h[:i, p]]) for h in truth_inputs]
+                else:
+                    others = [j for j in range(batch) if j != i]
+                    known = [torch.cat([h[others].reshape(-1, h.shape[-1]), h[i, :p]]) for h in truth_inputs]
+                examples[state].append(Example(scorer.terms([h[mine] for h in hidden], scorer.bases(known)).cpu(),
+                                               prior, true))
     return examples
 
 

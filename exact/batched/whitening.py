@@ -32,6 +32,10 @@ from exact.batched.sites import Site, capture_site_inputs
 #: directions the inputs never take are not amplified beyond float resolution.
 EIGEN_FLOOR = 1e-6
 
+#: The cache's format. Version 2 reads the text moments in eval mode (no dropout), as the attack's forward
+#: passes do; a version-1 cache of a model with dropout holds train-mode statistics, so it is refused, not reused.
+FORMAT = "lti-site-whitening/2"
+
 
 def inverse_sqrt(moment: Tensor, floor: float = EIGEN_FLOOR) -> Tensor:
     """(..., d, d) symmetric M -> M^{-1/2} (float64), eigenvalues floored at `floor` times the largest."""
@@ -122,6 +126,9 @@ class SiteWhitening:
             except (SafetensorError, OSError, ValueError) as error:
                 raise ValueError(f"whitening cache {path} is unreadable ({type(error).__name__}: {error}); "
                                  "delete it to rebuild it") from None
+            if meta.get("format") != FORMAT:
+                raise ValueError(f"whitening cache {path} has format {meta.get('format', 'lti-site-whitening/1')!r}, "
+                                 f"not {FORMAT!r} (an older version's statistics); delete it to rebuild it")
             if meta.get("key") != key:
                 raise ValueError(f"whitening cache {path} was built for another model, adapters or auxiliary text "
                                  f"(key {meta.get('key')}, this threat model's {key}); delete it or choose another path")
@@ -142,7 +149,7 @@ class SiteWhitening:
                 tensors = {"sites": whitening.sites.contiguous()}
                 if whitening.vocabulary is not None:
                     tensors["vocabulary"] = whitening.vocabulary.contiguous()
-                save_file(tensors, tmp, metadata={"key": key, "fingerprint": fingerprint})
+                save_file(tensors, tmp, metadata={"format": FORMAT, "key": key, "fingerprint": fingerprint})
                 os.replace(tmp, path)
             finally:
                 if os.path.exists(tmp):

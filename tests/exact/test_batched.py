@@ -165,6 +165,13 @@ def test_the_whitening_cache_is_reused_and_refuses_another_model(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["whitening.safetensors"]  # no temporary file left
     with pytest.raises(ValueError, match="another model"):
         SiteWhitening.load_or_fit(path, pipe.target, sites, aux, "fingerprint-b", say=lambda _: None)
+    from safetensors.torch import load_file, save_file
+
+    # a cache written before the format was versioned (its statistics possibly read in train mode) is refused
+    key = SiteWhitening.key("fingerprint-a", sites, aux)
+    save_file(load_file(str(path)), str(path), metadata={"key": key, "fingerprint": "fingerprint-a"})
+    with pytest.raises(ValueError, match="lti-site-whitening/1.*delete it to rebuild"):
+        SiteWhitening.load_or_fit(path, pipe.target, sites, aux, "fingerprint-a", say=lambda _: None)
     path.write_bytes(b"not safetensors")
     with pytest.raises(ValueError, match="unreadable"):
         SiteWhitening.load_or_fit(path, pipe.target, sites, aux, "fingerprint-a", say=lambda _: None)

@@ -151,6 +151,7 @@ def test_the_attack_reads_a_full_weight_update_whose_batch_outnumbers_the_width(
 def test_a_whitening_cache_of_a_model_without_a_position_table_is_refused_for_one_with_it(tmp_path):
     from safetensors.torch import save_file
 
+    from exact.batched.whitening import FORMAT
     from exact.batched.whitening import SiteWhitening as Whitening
 
     pipe = pipeline(2)
@@ -159,7 +160,7 @@ def test_a_whitening_cache_of_a_model_without_a_position_table_is_refused_for_on
     path = tmp_path / "whitening.safetensors"
     eye = torch.eye(4 * WIDTH, dtype=torch.float64)
     save_file({"vocabulary": torch.eye(WIDTH, dtype=torch.float64), "sites": eye.expand(2, -1, -1).contiguous()},
-              str(path), metadata={"key": Whitening.key("tiny-gpt2", sites, auxiliary)})
+              str(path), metadata={"format": FORMAT, "key": Whitening.key("tiny-gpt2", sites, auxiliary)})
     with pytest.raises(ValueError, match="without a position table") as error:
         Whitening.load_or_fit(path, pipe.target, sites, auxiliary, "tiny-gpt2")
     assert "\n" not in str(error.value)

@@ -7,7 +7,14 @@ import pytest
 import torch
 from test_batched import tiny_batch  # noqa: E402  (the tiny LoRA Llama of the batched tests)
 
-from exact.batched.scorer import Example, ScorerWeights, accuracy_at_one, extension_examples, fit_weights
+from exact.batched.scorer import (
+    Example,
+    ScorerWeights,
+    accuracy_at_one,
+    examples_by_state,
+    extension_examples,
+    fit_weights,
+)
 from exact.batched.sites import capture_site_inputs
 
 
@@ -63,6 +70,16 @@ def test_examples_of_a_tiny_update_hold_the_true_extension_and_the_deflated_term
     known = [torch.cat([h[:, :3].reshape(-1, h.shape[-1]), h[:1, 3]]) for h in truth]
     reference = scorer.terms(hidden, scorer.bases(known))
     assert torch.allclose(examples[-1].terms, reference, atol=1e-3)
+    # A refinement pass's state knows sequence 0 whole and sequence 1's prefix: the same candidates, deflated so.
+    refining = extension_examples(pipe.target, sites, scorer, bag, ids, state="refine")
+    assert [e.true for e in refining] == [e.true for e in examples]
+    known = [torch.cat([h[0, :-1], h[1, :3]]) for h in truth]  # the last position is a label, never an input
+    assert torch.allclose(refining[-1].terms, scorer.terms(hidden, scorer.bases(known)), atol=1e-3)
+    both = examples_by_state(pipe.target, sites, scorer, bag, ids)  # one forward pass for both states
+    assert all(torch.equal(a.terms, b.terms) for a, b in zip(both["search"], examples))
+    assert all(torch.equal(a.terms, b.terms) for a, b in zip(both["refine"], refining))
+    with pytest.raises(ValueError, match="state='guess' is not one of"):
+        extension_examples(pipe.target, sites, scorer, bag, ids, state="guess")
 
 
 def test_the_weights_file_round_trips_and_refuses_another_model_a_wrong_count_and_damage(tmp_path):

@@ -38,12 +38,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--whitening-cache", default="runs/whitening/smollm2_lora.safetensors")
     parser.add_argument("--out", required=True, help="the weights (.safetensors); a .json summary goes beside")
     parser.add_argument("--overwrite", action="store_true", help="replace weights already at --out")
+    parser.add_argument("--examples", default=None,
+                        help="a file of the collected examples: read when it exists (same options), else written, so "
+                             "other fits of the same examples take seconds")
+    parser.add_argument("--state", default="search", choices=["search", "refine"],
+                        help="the examples fitted on: the joint search's deflation or a refinement pass's (every other "
+                             "sequence whole); both are collected and reported")
+    parser.add_argument("--compare", nargs="*", default=[],
+                        help="scorer weights files whose held-out top-1 is reported beside the fit's")
     args = parser.parse_args(argv)
     if Path(args.out).exists() and not args.overwrite:
         raise SystemExit(f"{args.out} exists (an earlier fit); choose another --out or pass --overwrite")
 
     from exact.batched.bag import pick_budget, somp
-    from exact.batched.scorer import ScorerWeights, accuracy_at_one, describe, extension_examples, fit_weights
+    from exact.batched.scorer import STATES, ScorerWeights, accuracy_at_one, describe, examples_by_state, fit_weights
     from exact.batched.search import SpanScorer
     from exact.batched.whitening import vocabulary_inputs
     from lti.atomic_files import write_text_atomically
@@ -52,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     dictionary = vocabulary_inputs(bench.target) @ bench.whitening.vocabulary
 
     def examples(blocks: torch.Tensor, batch: int, count: int, seed: int) -> list:
-        out = []
+        out = {state: [] for state in STATES}
         for k in range(count):
             generator = torch.Generator().manual_seed(seed + 7919 * batch + k)
             ids = blocks[torch.randperm(blocks.shape[0], generator=generator)[:batch]]
@@ -61,31 +69,77 @@ def main(argv: list[str] | None = None) -> None:
             bag = somp(rows[0] @ bench.whitening.vocabulary, dictionary,
                        pick_budget(batch, ids.shape[1], args.picks_per_sequence)).tokens
             scorer = SpanScorer(rows, bench.whitening.sites)
-            out += extension_examples(bench.target, bench.sites, scorer, bag, ids)
-            print(f"B={batch} update {k + 1}/{count}: {len(out)} examples", flush=True)
+            for state, found in examples_by_state(bench.target, bench.sites, scorer, bag, ids).items():
+                out[state] += found
+            print(f"B={batch} update {k + 1}/{count}: {len(out['search'])} examples per state", flush=True)
         return out
 
     began = time.perf_counter()
-    training, held_out = [], {}
-    for batch in args.batch_sizes:
-        training += examples(bench.training, batch, args.updates, 0)
-        held_out[batch] = examples(bench.tail, batch, args.held_out_updates, 1_000_003)
+    key = {"config": args.config, "batch_sizes": args.batch_sizes, "updates": args.updates,
+           "held_out_updates": args.held_out_updates, "lr": args.lr, "picks_per_sequence": args.picks_per_sequence,
+           "whitening_blocks": args.whitening_blocks, "fingerprint": bench.fingerprint}
+    if args.examples and Path(args.examples).exists():
+        training, held_out = load_examples(args.examples, key)
+    else:
+        training, held_out = {state: [] for state in STATES}, {}
+        for batch in args.batch_sizes:
+            for state, found in examples(bench.training, batch, args.updates, 0).items():
+                training[state] += found
+            held_out[batch] = examples(bench.tail, batch, args.held_out_updates, 1_000_003)
+        if args.examples:
+            save_examples(args.examples, key, training, held_out)
     collected = time.perf_counter() - began
     start = ScorerWeights.hand_set(len(bench.sites), args.lm_weight)
     start.fingerprint = bench.fingerprint
-    fitted = fit_weights(training, start, l2=args.l2)
+    fitted = fit_weights(training[args.state], start, l2=args.l2)
+    compared = {"hand_set": start, "fitted": fitted}
+    compared |= {name: ScorerWeights.load(name, bench.fingerprint, len(bench.sites)) for name in args.compare}
     summary = {"command": "python -m benchmarks.investigations.batched.train_scorer " + " ".join(
                    sys.argv[1:] if argv is None else argv),
-               "batch_sizes": args.batch_sizes, "updates": args.updates, "training_examples": len(training),
-               "collect_seconds": round(collected, 1), "fit_seconds": round(time.perf_counter() - began - collected, 1),
-               "train_top1": {"hand_set": accuracy_at_one(training, start), "fitted": accuracy_at_one(training, fitted)},
-               "held_out_top1": {str(b): {"hand_set": accuracy_at_one(e, start), "fitted": accuracy_at_one(e, fitted),
-                                          "examples": len(e)} for b, e in held_out.items()},
+               "batch_sizes": args.batch_sizes, "updates": args.updates, "fitted_on_state": args.state,
+               "training_examples": len(training[args.state]), "collect_seconds": round(collected, 1),
+               "fit_seconds": round(time.perf_counter() - began - collected, 1),
+               "train_top1": {name: accuracy_at_one(training[args.state], w) for name, w in compared.items()},
+               # per B and state: the fraction of held-out extensions whose true token each scorer ranks first
+               "held_out_top1": {str(b): {state: {"examples": len(e)} | {name: accuracy_at_one(e, w)
+                                                                        for name, w in compared.items()}
+                                          for state, e in by_state.items()} for b, by_state in held_out.items()},
                "weights": json.loads(describe(fitted))}
     out = Path(args.out)
     fitted.save(out)
     write_text_atomically(out.with_suffix(".json"), json.dumps(summary, indent=1) + "\n")
     print(json.dumps(summary, indent=1))
+
+
+def save_examples(path: str, key: dict, training: dict, held_out: dict) -> None:
+    """The examples ({state: examples} for training, {B: {state: examples}} held out) as plain tensors, read back
+    with weights_only=True; written atomically."""
+    from lti.atomic_files import atomic_writer
+
+    def pack(examples: list) -> dict:
+        return {"terms": [e.terms for e in examples], "prior": [e.prior for e in examples],
+                "true": torch.tensor([e.true for e in examples], dtype=torch.long)}
+
+    with atomic_writer(path) as file:
+        torch.save({"key": json.dumps(key, sort_keys=True),
+                    "training": {state: pack(e) for state, e in training.items()},
+                    "held_out": {str(b): {state: pack(e) for state, e in by_state.items()}
+                                 for b, by_state in held_out.items()}}, file)
+
+
+def load_examples(path: str, key: dict) -> tuple[dict, dict]:
+    """The examples `save_examples` wrote; SystemExit (one line) when they were collected with other options."""
+    from exact.batched.scorer import Example
+
+    saved = torch.load(path, weights_only=True)
+    if saved["key"] != json.dumps(key, sort_keys=True):
+        raise SystemExit(f"{path} holds examples collected with other options ({saved['key']})")
+
+    def unpack(packed: dict) -> list:
+        return [Example(t, p, int(k)) for t, p, k in zip(packed["terms"], packed["prior"], packed["true"])]
+
+    return ({state: unpack(e) for state, e in saved["training"].items()},
+            {int(b): {state: unpack(e) for state, e in by_state.items()} for b, by_state in saved["held_out"].items()})
 
 
 if __name__ == "__main__":
