@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import REPO
 
 from datamodules.federated.hashing import Hashing
@@ -562,6 +563,35 @@ def test_row_log_appends_rows_stamped_with_one_run_id_per_process(tmp_path, caps
     assert [(r["run"], r["update"], r["token_acc"]) for r in rows] == [
         (first, 0, 0.5), ("ignored", 1, 0.75), (first + "-next", 0, 0.25)]
     assert capsys.readouterr().out.count('"token_acc"') == 3
+
+
+def test_train_scorer_reads_back_the_examples_it_kept_and_refuses_them_for_other_options(tmp_path):
+    """`train_scorer --examples`: the examples of both states, training and held out per B, read back equal
+    (weights_only); examples collected with other options are refused in one line; nothing half-written."""
+    from exact.batched.scorer import Example
+
+    module = load_benchmark("investigations.batched.train_scorer")
+    generator = torch.Generator().manual_seed(0)
+
+    def some(count: int) -> list:
+        return [Example(torch.randn(5, 3, generator=generator, dtype=torch.float64),
+                        torch.randn(5, generator=generator, dtype=torch.float64), k % 5) for k in range(count)]
+
+    training, held_out = {"search": some(4), "refine": some(4)}, {16: {"search": some(2), "refine": some(2)}}
+    path = tmp_path / "examples.pt"
+    key = {"batch_sizes": [16], "updates": 1}
+    module.save_examples(str(path), key, training, held_out)
+    assert [p.name for p in tmp_path.iterdir()] == ["examples.pt"]
+    read, read_held_out = module.load_examples(str(path), key)
+
+    def same(a: list, b: list) -> bool:
+        return len(a) == len(b) and all(torch.equal(x.terms, y.terms) and torch.equal(x.prior, y.prior) and
+                                        x.true == y.true for x, y in zip(a, b))
+
+    assert all(same(read[state], training[state]) for state in training)
+    assert set(read_held_out) == {16} and all(same(read_held_out[16][s], held_out[16][s]) for s in held_out[16])
+    with pytest.raises(SystemExit, match="collected with other options"):
+        module.load_examples(str(path), {**key, "updates": 2})
 
 
 def test_every_batched_investigation_draws_an_update_s_blocks_from_one_seed():

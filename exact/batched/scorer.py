@@ -13,6 +13,7 @@ them (a conditional logit, L2-tied to the hand-set weights). Plain PyTorch.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from dataclasses import dataclass
@@ -24,59 +25,119 @@ from torch import Tensor, nn
 from exact.batched.search import Prefixes, SpanScorer, decoder, sequence_inputs
 from exact.batched.sites import Site
 
-FORMAT = "lti-batched-scorer/1"
+#: Version 2 holds one set of weights per group of batch sizes (each set fitted on updates of those B); version 1,
+#: one set for every B, is still read.
+FORMAT = "lti-batched-scorer/2"
+FORMATS = ("lti-batched-scorer/1", FORMAT)
 
 
 @dataclass
 class ScorerWeights:
-    """One weight per site's span term (S,) and one for the global model's log-probability."""
+    """One weight per site's span term (S,) and one for the global model's log-probability; `batch_sizes`: the B
+    of the updates they were fitted on (empty: any B)."""
 
     sites: Tensor
     lm: float
     fingerprint: str = ""
+    batch_sizes: tuple[int, ...] = ()
 
     @classmethod
     def hand_set(cls, sites: int, lm_weight: float) -> ScorerWeights:
         return cls(torch.ones(sites, dtype=torch.float64), float(lm_weight))
 
+    def distance(self, batch_size: int) -> float:
+        """How far `batch_size` is from the B these weights were fitted on (log2; 0 for weights of any B)."""
+        if not self.batch_sizes:
+            return 0.0
+        return min(abs(math.log2(batch_size) - math.log2(b)) for b in self.batch_sizes)
+
     def save(self, path: str | Path) -> None:
         """Written atomically (a temporary file in the same folder, then renamed)."""
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.close(handle)
-        try:
-            save_file({"sites": self.sites.double().contiguous(), "lm": torch.tensor([self.lm], dtype=torch.float64)},
-                      temporary, metadata={"format": FORMAT, "fingerprint": self.fingerprint})
-            os.replace(temporary, path)
-        except BaseException:
-            Path(temporary).unlink(missing_ok=True)
-            raise
+        save_scorers(path, [self])
 
     @classmethod
-    def load(cls, path: str | Path, fingerprint: str | None = None, sites: int | None = None) -> ScorerWeights:
-        """Raises ValueError (one line) for an unreadable file, another model's weights or another site count."""
-        from safetensors import safe_open
+    def load(cls, path: str | Path, fingerprint: str | None = None, sites: int | None = None,
+             batch_size: int | None = None) -> ScorerWeights:
+        """The weights at `path` for updates of `batch_size` sequences: of the groups the file holds, the one
+        fitted nearest it (in log2 B; the first on a tie). Raises ValueError (one line) for an unreadable file,
+        another model's weights or another site count, or for a file of several groups without `batch_size`."""
+        groups = load_scorers(path, fingerprint, sites)
+        if batch_size is None:
+            if len(groups) > 1:
+                raise ValueError(f"scorer weights {path} hold one set per batch size "
+                                 f"({', '.join(describe_batch_sizes(g.batch_sizes) for g in groups)}); name the batch size")
+            return groups[0]
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be >= 1")
+        return min(groups, key=lambda g: g.distance(batch_size))
 
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                metadata = f.metadata() or {}
-                tensors = {k: f.get_tensor(k) for k in f.keys()}
-        except Exception as error:  # safetensors raises several types for a damaged file
-            raise ValueError(f"scorer weights {path} are unreadable ({type(error).__name__})") from None
-        if metadata.get("format") != FORMAT or set(tensors) != {"sites", "lm"}:
-            raise ValueError(f"{path} is not a batched-scorer file (format {metadata.get('format')!r})")
-        if fingerprint is not None and metadata.get("fingerprint") != fingerprint:
-            raise ValueError(f"scorer weights {path} were fitted for another model "
-                             f"(fingerprint {metadata.get('fingerprint', '')[:12]}, this model {fingerprint[:12]})")
-        weights = cls(tensors["sites"].double(), float(tensors["lm"][0]), metadata.get("fingerprint", ""))
+
+def describe_batch_sizes(batch_sizes: tuple[int, ...]) -> str:
+    return "B = " + "/".join(str(b) for b in batch_sizes) if batch_sizes else "any B"
+
+
+def save_scorers(path: str | Path, groups: list[ScorerWeights]) -> None:
+    """Sets of weights of one model, each for its own batch sizes, in one file; written atomically."""
+    from safetensors.torch import save_file
+
+    if not groups:
+        raise ValueError("no scorer weights to save")
+    if len({g.fingerprint for g in groups}) > 1 or len({g.sites.numel() for g in groups}) > 1:
+        raise ValueError("scorer weights of one file must be of one model (one fingerprint, one site count)")
+    tensors = {}
+    for n, g in enumerate(groups):
+        tensors[f"sites.{n}"] = g.sites.double().contiguous()
+        tensors[f"lm.{n}"] = torch.tensor([g.lm], dtype=torch.float64)
+    metadata = {"format": FORMAT, "fingerprint": groups[0].fingerprint,
+                "batch_sizes": json.dumps([list(g.batch_sizes) for g in groups])}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(handle)
+    try:
+        save_file(tensors, temporary, metadata=metadata)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def load_scorers(path: str | Path, fingerprint: str | None = None, sites: int | None = None) -> list[ScorerWeights]:
+    """Every set of weights at `path` (`ScorerWeights.load` picks one for a batch size)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as error:  # safetensors raises several types for a damaged file
+        raise ValueError(f"scorer weights {path} are unreadable ({type(error).__name__})") from None
+    version = metadata.get("format")
+    try:
+        if version == FORMATS[0] and set(tensors) == {"sites", "lm"}:
+            parts, batch_sizes = [(tensors["sites"], tensors["lm"])], [[]]
+        elif version == FORMAT:
+            batch_sizes = json.loads(metadata["batch_sizes"])
+            parts = [(tensors[f"sites.{n}"], tensors[f"lm.{n}"]) for n in range(len(batch_sizes))]
+            if set(tensors) != {f"{kind}.{n}" for n in range(len(batch_sizes)) for kind in ("sites", "lm")}:
+                raise KeyError("tensors")
+        else:
+            raise KeyError("format")
+    except (KeyError, ValueError, TypeError):
+        raise ValueError(f"{path} is not a batched-scorer file (format {version!r})") from None
+    if fingerprint is not None and metadata.get("fingerprint") != fingerprint:
+        raise ValueError(f"scorer weights {path} were fitted for another model "
+                         f"(fingerprint {metadata.get('fingerprint', '')[:12]}, this model {fingerprint[:12]})")
+    groups = [ScorerWeights(w.double().reshape(-1), float(lm.reshape(-1)[0]), metadata.get("fingerprint", ""),
+                            tuple(int(b) for b in sizes)) for (w, lm), sizes in zip(parts, batch_sizes)]
+    for weights in groups:
         if sites is not None and weights.sites.numel() != sites:
             raise ValueError(f"scorer weights {path} hold {weights.sites.numel()} sites; the model has {sites}")
-        if not bool(torch.isfinite(weights.sites).all()) or not torch.isfinite(torch.tensor(weights.lm)):
+        if not bool(torch.isfinite(weights.sites).all()) or not math.isfinite(weights.lm):
             raise ValueError(f"scorer weights {path} hold non-finite values")
-        return weights
+        if any(b < 1 for b in weights.batch_sizes):
+            raise ValueError(f"scorer weights {path} name a batch size below 1")
+    return groups
 
 
 @dataclass
@@ -201,4 +262,6 @@ def fit_scorer(target: nn.Module, sites: list[Site], whitening, observe, blocks:
                    pick_budget(batch_size, blocks.shape[1], picks_per_sequence)).tokens
         examples += extension_examples(target, sites, SpanScorer(rows, whitening.sites), bag, ids)
         say(f"learned scorer: simulated update {k + 1}/{updates}, {len(examples)} extensions")
-    return fit_weights(examples, start)
+    fitted = fit_weights(examples, start)
+    fitted.batch_sizes = (batch_size,)
+    return fitted

@@ -280,7 +280,8 @@ class Audit:
             from exact.batched.scorer import ScorerWeights
 
             try:
-                weights = ScorerWeights.load(attacks.batched_scorer, fingerprint, len(sites))
+                weights = ScorerWeights.load(attacks.batched_scorer, fingerprint, len(sites),
+                                             self.options.federation.batch_size)
             except ValueError as error:  # e.g. the default config's scorer under another rank or model
                 raise ValueError(f"attacks.batched_scorer: {error}; pass --attacks.batched_scorer null (or fit one in "
                                  "the audit: --attacks.batched_scorer null --attacks.batched_scorer_updates 8)") from None
@@ -290,9 +291,12 @@ class Audit:
         if weights is not None:
             from dataclasses import replace
 
-            source = attacks.batched_scorer or (f"fitted on {attacks.batched_scorer_updates} updates of B = "
-                                                f"{self.options.federation.batch_size} simulated from the server's "
-                                                "auxiliary text")
+            from exact.batched.scorer import describe_batch_sizes
+
+            source = (f"{attacks.batched_scorer}, its weights fitted on updates of {describe_batch_sizes(weights.batch_sizes)}"
+                      if attacks.batched_scorer else
+                      f"fitted on {attacks.batched_scorer_updates} updates of B = {self.options.federation.batch_size} "
+                      "simulated from the server's auxiliary text")
             if attacks.batched_scorer_role == "replace":
                 self.notes.append(f"The batched attack scores extensions with a learned scorer ({source}): one weight "
                                   f"per adapted layer and {weights.lm:.2f} for the global model's prior.")

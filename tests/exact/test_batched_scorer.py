@@ -14,6 +14,8 @@ from exact.batched.scorer import (
     examples_by_state,
     extension_examples,
     fit_weights,
+    load_scorers,
+    save_scorers,
 )
 from exact.batched.sites import capture_site_inputs
 
@@ -98,3 +100,35 @@ def test_the_weights_file_round_trips_and_refuses_another_model_a_wrong_count_an
         ScorerWeights.load(path)
     with pytest.raises(ValueError, match="no examples"):
         fit_weights([], weights)
+
+
+def test_a_file_of_several_batch_sizes_gives_each_b_the_weights_fitted_nearest_it(tmp_path):
+    path = tmp_path / "scorer.safetensors"
+    small = ScorerWeights(torch.tensor([1.0, 2.0], dtype=torch.float64), 0.5, "fingerprint-a", (4, 8))
+    large = ScorerWeights(torch.tensor([3.0, -1.0], dtype=torch.float64), 0.25, "fingerprint-a", (16,))
+    save_scorers(path, [small, large])
+    assert [p.name for p in tmp_path.iterdir()] == ["scorer.safetensors"]
+    assert [g.batch_sizes for g in load_scorers(path, "fingerprint-a", 2)] == [(4, 8), (16,)]
+    # nearest in log2 B: 11 is nearer 8 (0.46) than 16 (0.54), 12 nearer 16; below and above the ends, the end
+    for batch, expected in {1: small, 4: small, 8: small, 11: small, 12: large, 16: large, 64: large}.items():
+        chosen = ScorerWeights.load(path, "fingerprint-a", 2, batch_size=batch)
+        assert torch.equal(chosen.sites, expected.sites) and chosen.lm == expected.lm, batch
+    with pytest.raises(ValueError, match=r"one set per batch size \(B = 4/8, B = 16\); name the batch size"):
+        ScorerWeights.load(path, "fingerprint-a", 2)
+    with pytest.raises(ValueError, match="one model"):
+        save_scorers(path, [small, ScorerWeights(large.sites, 0.25, "fingerprint-b", (16,))])
+    assert ScorerWeights.load(path, "fingerprint-a", 2, batch_size=16).lm == 0.25  # the refused save changed nothing
+
+
+def test_a_version_1_file_is_read_as_weights_for_any_batch_size(tmp_path):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "scorer.safetensors"
+    save_file({"sites": torch.tensor([1.5, -0.25], dtype=torch.float64), "lm": torch.tensor([0.75], dtype=torch.float64)},
+              str(path), metadata={"format": "lti-batched-scorer/1", "fingerprint": "fingerprint-a"})
+    for batch in (None, 1, 16):
+        weights = ScorerWeights.load(path, "fingerprint-a", 2, batch_size=batch)
+        assert weights.sites.tolist() == [1.5, -0.25] and weights.lm == 0.75 and weights.batch_sizes == ()
+    save_file({"sites": torch.ones(2, dtype=torch.float64)}, str(path), metadata={"format": "lti-batched-scorer/1"})
+    with pytest.raises(ValueError, match="not a batched-scorer file"):
+        ScorerWeights.load(path)

@@ -227,6 +227,29 @@ def test_a_learned_scorer_fitted_for_another_model_is_refused_and_nothing_is_lef
     assert not (tmp_path / "s").exists()
 
 
+def test_the_audit_takes_the_learned_scorer_fitted_nearest_its_clients_batch_size(tmp_path):
+    from datamodules.federated.pipeline import target_fingerprint
+    from exact.batched.scorer import ScorerWeights, save_scorers
+
+    def built(folder: str, scorer: str | None) -> Audit:
+        audit = Audit(AuditOptions(threat_model=TINY, out_dir=str(tmp_path / folder),
+                                   federation=FederationOptions(clients=2, rounds=1, batch_size=2),
+                                   attacks=AttackOptions(dager=False, probe_sequences=0, batched_scorer=scorer),
+                                   utility_sequences=4), say=lambda *_: None)
+        audit._build()
+        return audit
+
+    plain = built("plain", None)
+    fingerprint, sites = target_fingerprint(plain.server.target), plain.attacks.attacks[0].whitening.sites.shape[0]
+    weights = tmp_path / "scorer.safetensors"
+    save_scorers(weights, [ScorerWeights(torch.full((sites,), 0.5, dtype=torch.float64), 0.25, fingerprint, (2, 4)),
+                           ScorerWeights(torch.full((sites,), 2.0, dtype=torch.float64), 0.75, fingerprint, (16,))])
+    audit = built("grouped", str(weights))
+    chosen_sites, chosen_lm = audit.attacks.attacks[0].second_opinion
+    assert chosen_lm == 0.25 and torch.equal(chosen_sites, torch.full((sites,), 0.5, dtype=torch.float64))
+    assert any("fitted on updates of B = 2/4" in note for note in audit.notes)
+
+
 def test_dagers_options_are_a_config_group_of_the_audit(tmp_path, capsys):
     """`--attacks.dager_search.*` reaches the DAGER the audit runs (its thresholds, budgets, extensions)."""
     from exact.dager.options import DagerOptions, SpanTests

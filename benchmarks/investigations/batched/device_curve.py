@@ -70,11 +70,14 @@ def run(args) -> None:
     whitening = SiteWhitening.fit(server.target, sites, blocks["auxiliary_whitening"][: args.whitening_blocks].to(device))
     whitening.vocabulary, whitening.sites = whitening.vocabulary.to(device), whitening.sites.to(device)
     print(f"model, adapters and whitening in {time.perf_counter() - started:.0f} s on {device}", flush=True)
-    weights = ScorerWeights.load(args.scorer, fingerprint, len(sites)) if args.scorer else None
-    options = BatchedOptions(lm_weight=weights.lm if weights else args.lm_weight, beam=args.beam, refine=args.refine,
-                             screen_sites=args.screen_sites, shortlist=args.shortlist)
-    attack = BatchedLoRA(server.target, names, whitening, options,
-                         site_weights=weights.sites.to(device) if weights else None)
+    def attack_for(batch: int) -> tuple[BatchedLoRA, BatchedOptions]:
+        """The attack of updates of `batch` sequences (a scorer file's weights fitted nearest it)."""
+        weights = ScorerWeights.load(args.scorer, fingerprint, len(sites), batch) if args.scorer else None
+        options = BatchedOptions(lm_weight=weights.lm if weights else args.lm_weight, beam=args.beam,
+                                 refine=args.refine, screen_sites=args.screen_sites, shortlist=args.shortlist)
+        return BatchedLoRA(server.target, names, whitening, options,
+                           site_weights=weights.sites.to(device) if weights else None), options
+
     decode = None
     if args.tokenizer:
         from transformers import AutoTokenizer
@@ -90,6 +93,7 @@ def run(args) -> None:
     sent = {n: p.detach().float().clone() for n, p in server.target.named_parameters() if n in set(names)}
     with RowLog(args.out) as log:
         for batch in args.batch_sizes:
+            attack, options = attack_for(batch)
             batched_client = copy.copy(server.client)  # the prepared adapters, B sequences per update
             batched_client.local = FedSGDClient("train", batch)
             client = server.with_client(batched_client)

@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -272,25 +273,27 @@ def main(argv: list[str] | None = None) -> None:
     bench = Setup(args.config, args.whitening_blocks, args.whitening_cache, overrides)
     local_dp = None if args.local_dp_epsilon is None else (args.local_dp_epsilon, args.local_dp_delta)
     decode = lambda t: bench.data.tokenizer.decode(t)  # noqa: E731
-    weights = None
-    if args.scorer:
-        weights = ScorerWeights.load(args.scorer, bench.fingerprint, len(bench.sites))
-    options = BatchedOptions(picks_per_sequence=args.picks_per_sequence, lm_weight=weights.lm if weights else args.lm_weight, beam=args.beam,
+    options = BatchedOptions(picks_per_sequence=args.picks_per_sequence, lm_weight=args.lm_weight, beam=args.beam,
                              label_candidates=max(1, args.label_candidates), refine=args.refine,
                              refine_beam=args.refine_beam, refine_shortlist=args.refine_shortlist,
                              refine_screen_sites=args.refine_screen_sites, regrow=args.regrow,
                              screen_sites=args.screen_sites, shortlist=args.shortlist,
                              screen_precision=args.screen_precision, extension_cache_gib=args.extension_cache_gib,
                              second_opinion_above=args.second_opinion_above)
-    second = None
-    if args.second_opinion:
-        other = ScorerWeights.load(args.second_opinion, bench.fingerprint, len(bench.sites))
-        second = (other.sites, other.lm)
-    attack = BatchedLoRA(bench.target, bench.names, bench.whitening, options,
-                         site_weights=weights.sites if weights else None, second_opinion=second)
+
+    def weights_for(path: str | None, batch: int) -> ScorerWeights | None:
+        """A scorer file's weights for updates of `batch` sequences (the set fitted nearest it)."""
+        return None if path is None else ScorerWeights.load(path, bench.fingerprint, len(bench.sites), batch)
+
     simulate = bench.simulate
     with RowLog(args.out) as log:
         for batch in args.batch_sizes:
+            weights, other = weights_for(args.scorer, batch), weights_for(args.second_opinion, batch)
+            if weights is not None:
+                options = replace(options, lm_weight=weights.lm)
+            attack = BatchedLoRA(bench.target, bench.names, bench.whitening, options,
+                                 site_weights=weights.sites if weights else None,
+                                 second_opinion=(other.sites, other.lm) if other else None)
             for k in range(args.first_update, args.first_update + args.updates):
                 ids = bench.draw(args.split, batch, k)
                 update, split = bench.observed(ids, args.lr, args.clip_norm, args.local_epochs, local_dp,
@@ -300,7 +303,7 @@ def main(argv: list[str] | None = None) -> None:
                                       update, on_step=progress_writer(args.progress, batch, k, args.split, ids, decode,
                                                                       log.run))
                 seconds = time.perf_counter() - began
-                row = {"B": batch, "L": ids.shape[1], "update": k, "split": args.split, "lm_weight": args.lm_weight,
+                row = {"B": batch, "L": ids.shape[1], "update": k, "split": args.split, "lm_weight": options.lm_weight,
                        "beam": args.beam, "pick_budget": options.pick_budget(batch, ids.shape[1]),
                        **result_row(found, ids, decode, seconds),
                        "label_candidates": args.label_candidates, "refine": options.refine_passes(batch, checked=args.label_candidates > 0),
@@ -309,7 +312,8 @@ def main(argv: list[str] | None = None) -> None:
                        "regrow": options.regrow_attempts(batch) if args.label_candidates > 0 else 0,
                        "screen_sites": args.screen_sites, "shortlist": args.shortlist,
                        "screen_precision": args.screen_precision, "extension_cache_gib": args.extension_cache_gib,
-                       "scorer": args.scorer,
+                       "scorer": args.scorer, "scorer_batch_sizes": list(weights.batch_sizes) if weights else None,
+                       "second_opinion_batch_sizes": list(other.batch_sizes) if other else None,
                        "clip_norm": args.clip_norm, "local_epochs": args.local_epochs,
                        "local_dp_epsilon": args.local_dp_epsilon,
                        "local_dp_delta": args.local_dp_delta if args.local_dp_epsilon is not None else None,

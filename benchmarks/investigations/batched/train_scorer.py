@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--state", default="search", choices=["search", "refine"],
                         help="the examples fitted on: the joint search's deflation or a refinement pass's (every other "
                              "sequence whole); both are collected and reported")
+    parser.add_argument("--add-to", default=None,
+                        help="a scorer file whose sets for other batch sizes the output keeps beside the new fit")
     parser.add_argument("--compare", nargs="*", default=[],
                         help="scorer weights files whose held-out top-1 is reported beside the fit's")
     args = parser.parse_args(argv)
@@ -51,7 +53,16 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"{args.out} exists (an earlier fit); choose another --out or pass --overwrite")
 
     from exact.batched.bag import pick_budget, somp
-    from exact.batched.scorer import STATES, ScorerWeights, accuracy_at_one, describe, examples_by_state, fit_weights
+    from exact.batched.scorer import (
+        STATES,
+        ScorerWeights,
+        accuracy_at_one,
+        describe,
+        examples_by_state,
+        fit_weights,
+        load_scorers,
+        save_scorers,
+    )
     from exact.batched.search import SpanScorer
     from exact.batched.whitening import vocabulary_inputs
     from lti.atomic_files import write_text_atomically
@@ -92,6 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     start = ScorerWeights.hand_set(len(bench.sites), args.lm_weight)
     start.fingerprint = bench.fingerprint
     fitted = fit_weights(training[args.state], start, l2=args.l2)
+    fitted.batch_sizes = tuple(args.batch_sizes)
     compared = {"hand_set": start, "fitted": fitted}
     compared |= {name: ScorerWeights.load(name, bench.fingerprint, len(bench.sites)) for name in args.compare}
     summary = {"command": "python -m benchmarks.investigations.batched.train_scorer " + " ".join(
@@ -106,7 +118,12 @@ def main(argv: list[str] | None = None) -> None:
                                           for state, e in by_state.items()} for b, by_state in held_out.items()},
                "weights": json.loads(describe(fitted))}
     out = Path(args.out)
-    fitted.save(out)
+    # Another file's sets for other batch sizes come first (a set for these batch sizes is replaced), so each B the
+    # attack reads takes the set fitted nearest it.
+    kept = [g for g in (load_scorers(args.add_to, bench.fingerprint, len(bench.sites)) if args.add_to else [])
+            if set(g.batch_sizes) != set(fitted.batch_sizes)]
+    save_scorers(out, kept + [fitted])
+    summary["file_batch_sizes"] = [list(g.batch_sizes) for g in kept + [fitted]]
     write_text_atomically(out.with_suffix(".json"), json.dumps(summary, indent=1) + "\n")
     print(json.dumps(summary, indent=1))
 
