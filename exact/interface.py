@@ -117,14 +117,15 @@ class BatchedAttack:
     search and, for a FedSGD client, the least-squares check against the threat model's own simulation.
 
     The whitening is the server's: given, or fitted once on blocks of its own text when the first update is
-    attacked (cached at `whitening_cache` when given, keyed by the model's fingerprint). `site_weights`: a learned scorer's (`exact.batched.scorer.ScorerWeights.sites`).
+    attacked (cached at `whitening_cache` when given, keyed by the model's fingerprint). `scorer`: a learned scorer's
+    (site weights, prior weight) (`exact.batched.scorer.ScorerWeights`).
     `check`: re-simulate the recovered sequences and refit the update (needs a FedSGD client: a FedAvg
     client's mean gradient along its path is no combination of the sequences' updates).
     """
 
     def __init__(self, options: BatchedOptions | None = None, whitening: SiteWhitening | None = None,
                  auxiliary_ids: Tensor | None = None, whitening_cache: str | None = None, whitening_blocks: int = 256,
-                 site_weights: Tensor | None = None, second_opinion: tuple[Tensor, float] | None = None,
+                 scorer: tuple[Tensor, float] | None = None, second_opinion: tuple[Tensor, float] | None = None,
                  check: bool = True, name: str = "batched") -> None:
         """
         Args:
@@ -134,7 +135,8 @@ class BatchedAttack:
                 the evaluation callback supplies its DataModule's auxiliary split when none is given.
             whitening_cache: A safetensors file the fitted whitening is cached in (None: not cached).
             whitening_blocks: Blocks of the server's text the whitening reads at most.
-            site_weights: A learned scorer's weight per site (`exact.batched.scorer.ScorerWeights.sites`).
+            scorer: A learned scorer's (site weights, prior weight) the search scores with
+                (`exact.batched.scorer.ScorerWeights`; None: 1 per site and `options.lm_weight`).
             second_opinion: (site weights, prior weight) of a scorer to search again with when the refit doubts a
                 result (`BatchedOptions.second_opinion_above`; needs `check`).
             check: Re-simulate the recovered sequences and refit the update (FedSGD clients only).
@@ -145,7 +147,7 @@ class BatchedAttack:
         self.options = options or BatchedOptions()
         self.whitening, self.whitening_cache, self.whitening_blocks = whitening, whitening_cache, whitening_blocks
         self.auxiliary_ids = None if auxiliary_ids is None else auxiliary_ids[:whitening_blocks]
-        self.site_weights, self.second_opinion, self.check, self.name = site_weights, second_opinion, check, name
+        self.scorer, self.second_opinion, self.check, self.name = scorer, second_opinion, check, name
         #: The threat model the search is bound to (the object: its target's weights change every round, in place).
         self._bound: tuple[ThreatModel, BatchedLoRA] | None = None
         self._fitted_for: str | None = None  # the model fingerprint the whitening was fitted for, if fitted here
@@ -171,8 +173,7 @@ class BatchedAttack:
             self.whitening = SiteWhitening.load_or_fit(self.whitening_cache, threat_model.target, sites,
                                                        self.auxiliary_ids, threat_model.fingerprint)
             self._fitted_for = threat_model.fingerprint
-        bound = BatchedLoRA(threat_model.target, names, self.whitening, self.options, self.site_weights,
-                            self.second_opinion)
+        bound = BatchedLoRA(threat_model.target, names, self.whitening, self.options, self.scorer, self.second_opinion)
         self._bound = (threat_model, bound)
         return bound
 

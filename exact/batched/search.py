@@ -87,6 +87,15 @@ class SpanScorer:
         if self.site_weights.numel() != len(self.rows):
             raise ValueError(f"{self.site_weights.numel()} site weights for {len(self.rows)} sites")
 
+    def reweighed(self, site_weights: Tensor | None) -> SpanScorer:
+        """This update's scorer (the same whitened rows) with other site weights (None: 1 each)."""
+        other = copy.copy(self)
+        other.site_weights = (torch.ones(len(self.rows), dtype=torch.float64) if site_weights is None
+                              else site_weights.double().reshape(-1))
+        if other.site_weights.numel() != len(self.rows):
+            raise ValueError(f"{other.site_weights.numel()} site weights for {len(self.rows)} sites")
+        return other
+
     def known(self, inputs: list[Tensor] | None, extending: Known | None = None) -> Known:
         """The whitened span of known inputs (n, d) per site, or of `extending`'s span and these together.
 

@@ -287,10 +287,8 @@ class Audit:
                                  "the audit: --attacks.batched_scorer null --attacks.batched_scorer_updates 8)") from None
         elif attacks.batched_scorer_updates > 0 and self.options.federation.local_steps() == 1:
             weights = self._fit_scorer(whitening, sites, aux_ids[attacks.whitening_blocks :], fingerprint)
-        site_weights = second = None
+        scorer = second = None
         if weights is not None:
-            from dataclasses import replace
-
             from exact.batched.scorer import describe_batch_sizes
 
             source = (f"{attacks.batched_scorer}, its weights fitted on updates of {describe_batch_sizes(weights.batch_sizes)}"
@@ -300,7 +298,7 @@ class Audit:
             if attacks.batched_scorer_role == "replace":
                 self.notes.append(f"The batched attack scores extensions with a learned scorer ({source}): one weight "
                                   f"per adapted layer and {weights.lm:.2f} for the global model's prior.")
-                options, site_weights = replace(options, lm_weight=weights.lm), weights.sites
+                scorer = (weights.sites, weights.lm)
             else:
                 self.notes.append(f"The batched attack searches again with a learned scorer ({source}) where the "
                                   f"refit residual of its hand-set search is above {options.second_opinion_above}, "
@@ -308,7 +306,7 @@ class Audit:
                 second = (weights.sites, weights.lm)
         # The least-squares check refits a FedSGD update by the sequences' own updates; a FedAvg client's mean
         # gradient along its path is not such a combination.
-        return BatchedAttack(options, whitening=whitening, site_weights=site_weights, second_opinion=second,
+        return BatchedAttack(options, whitening=whitening, scorer=scorer, second_opinion=second,
                              check=self.options.federation.local_steps() == 1)
 
     def _fit_scorer(self, whitening, sites, blocks: torch.Tensor, fingerprint: str):

@@ -663,11 +663,11 @@ def test_a_doubted_result_is_searched_again_with_the_second_scorer_and_the_lower
     pipe, ids, update, flat, simulate, sites, whitening = checked_batch(17)
     silent, every = torch.zeros(len(sites), dtype=torch.float64), torch.ones(len(sites), dtype=torch.float64)
     options = dict(label_candidates=4, beam=2, refine=1, lm_weight=1.0)
-    alone = BatchedLoRA(pipe.target, list(pipe.names), whitening, BatchedOptions(**options), site_weights=silent)
+    alone = BatchedLoRA(pipe.target, list(pipe.names), whitening, BatchedOptions(**options), scorer=(silent, 1.0))
     first = alone.attack(update, 2, 5, simulate, flat)
     assert first.second_opinion is None and first.residual > 1e-3
     doubting = BatchedLoRA(pipe.target, list(pipe.names), whitening, BatchedOptions(second_opinion_above=0.0, **options),
-                           site_weights=silent, second_opinion=(every, 0.0))
+                           scorer=(silent, 1.0), second_opinion=(every, 0.0))
     reached = []
     result = doubting.attack(update, 2, 5, simulate, flat,
                              on_step=lambda step, at, sequences: reached.append((step, at, sequences)))
@@ -686,10 +686,44 @@ def test_a_doubted_result_is_searched_again_with_the_second_scorer_and_the_lower
     assert result.trace[0][0] == "search" and result.trace[0][1] >= sum(
         v for k, v in result.seconds.items() if not k.startswith("second_"))
     trusting = BatchedLoRA(pipe.target, list(pipe.names), whitening,
-                           BatchedOptions(second_opinion_above=first.residual + 1, **options), site_weights=silent,
+                           BatchedOptions(second_opinion_above=first.residual + 1, **options), scorer=(silent, 1.0),
                            second_opinion=(every, 0.0))
     kept = trusting.attack(update, 2, 5, simulate, flat)
     assert kept.second_opinion is None and kept.sequences == first.sequences
+
+
+def test_refinement_scores_with_the_hand_set_weights_or_the_search_s_as_asked(monkeypatch):
+    """`refine_scorer`: the search (and regrowth) score with the learned weights, refinement with the hand-set ones
+    (1 per site and `lm_weight`) or with the search's; without a learned scorer both are the hand-set."""
+    import exact.batched.attack as attack_module
+    from exact.batched import BatchedLoRA, BatchedOptions
+
+    pipe, ids, update, flat, simulate, sites, whitening = checked_batch(17)
+    learned = torch.linspace(0.5, 2.0, len(sites), dtype=torch.float64)
+    seen = []
+    for name in ("grow_sequences", "refine_sequences"):
+        original = getattr(attack_module, name)
+
+        def spy(target, sites_, scorer, bag, *args, _original=original, _name=name, **kwargs):
+            lm = args[2] if _name == "grow_sequences" else args[1]
+            seen.append((_name, scorer.site_weights.tolist(), lm))
+            return _original(target, sites_, scorer, bag, *args, **kwargs)
+
+        monkeypatch.setattr(attack_module, name, spy)
+    ones = [1.0] * len(sites)
+    for refine_scorer, scorer, expected in [
+            ("hand_set", (learned, 0.75), (learned.tolist(), 0.75, ones, 0.25)),
+            ("search", (learned, 0.75), (learned.tolist(), 0.75, learned.tolist(), 0.75)),
+            ("hand_set", None, (ones, 0.25, ones, 0.25))]:
+        seen.clear()
+        options = BatchedOptions(label_candidates=4, beam=2, refine=1, regrow=1, lm_weight=0.25,
+                                 refine_scorer=refine_scorer)
+        BatchedLoRA(pipe.target, list(pipe.names), whitening, options, scorer=scorer).attack(update, 2, 5, simulate, flat)
+        searched, search_lm, refined, refine_lm = expected
+        assert seen[0] == ("grow_sequences", searched, search_lm)
+        assert {(w == refined, lm) for name, w, lm in seen if name == "refine_sequences"} == {(True, refine_lm)}
+    with pytest.raises(ValueError, match="refine_scorer='learned' must be search or hand_set"):
+        BatchedOptions(refine_scorer="learned")
 
 
 def test_the_extension_cache_holds_the_most_sites_asked_for_and_drops_the_least_recently_used():

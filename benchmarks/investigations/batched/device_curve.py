@@ -73,10 +73,10 @@ def run(args) -> None:
     def attack_for(batch: int) -> tuple[BatchedLoRA, BatchedOptions]:
         """The attack of updates of `batch` sequences (a scorer file's weights fitted nearest it)."""
         weights = ScorerWeights.load(args.scorer, fingerprint, len(sites), batch) if args.scorer else None
-        options = BatchedOptions(lm_weight=weights.lm if weights else args.lm_weight, beam=args.beam,
-                                 refine=args.refine, screen_sites=args.screen_sites, shortlist=args.shortlist)
+        options = BatchedOptions(lm_weight=args.lm_weight, beam=args.beam, refine=args.refine,
+                                 screen_sites=args.screen_sites, shortlist=args.shortlist)
         return BatchedLoRA(server.target, names, whitening, options,
-                           site_weights=weights.sites.to(device) if weights else None), options
+                           scorer=(weights.sites.to(device), weights.lm) if weights else None), options
 
     decode = None
     if args.tokenizer:
@@ -114,7 +114,7 @@ def run(args) -> None:
                 seconds = time.perf_counter() - began
                 row = {"B": batch, "L": ids.shape[1], "update": k, "split": args.split, "device": str(device),
                        **result_row(found, ids, decode, seconds), "scorer": args.scorer, "beam": args.beam,
-                       "refine": args.refine, "lm_weight": options.lm_weight, "screen_sites": args.screen_sites,
+                       "refine": args.refine, "lm_weight": attack.scorer[1] if attack.scorer else options.lm_weight, "screen_sites": args.screen_sites,
                        "shortlist": args.shortlist}
                 log.write(row)
 

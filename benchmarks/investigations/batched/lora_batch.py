@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -242,6 +241,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="extensions per sequence scored by every site in refinement (default: --shortlist)")
     parser.add_argument("--refine-screen-sites", type=int, default=BatchedOptions.refine_screen_sites,
                         help="sites of refinement's screen (default: --screen-sites)")
+    parser.add_argument("--refine-scorer", default=BatchedOptions.refine_scorer, choices=["search", "hand_set"],
+                        help="the weights refinement scores with when the search has a learned scorer")
     parser.add_argument("--label-candidates", type=int, default=16,
                         help="last tokens chosen by the least-squares refit among the LM's top k (0: no refit)")
     parser.add_argument("--screen-sites", type=int, default=BatchedOptions.screen_sites,
@@ -276,7 +277,8 @@ def main(argv: list[str] | None = None) -> None:
     options = BatchedOptions(picks_per_sequence=args.picks_per_sequence, lm_weight=args.lm_weight, beam=args.beam,
                              label_candidates=max(1, args.label_candidates), refine=args.refine,
                              refine_beam=args.refine_beam, refine_shortlist=args.refine_shortlist,
-                             refine_screen_sites=args.refine_screen_sites, regrow=args.regrow,
+                             refine_screen_sites=args.refine_screen_sites, refine_scorer=args.refine_scorer,
+                             regrow=args.regrow,
                              screen_sites=args.screen_sites, shortlist=args.shortlist,
                              screen_precision=args.screen_precision, extension_cache_gib=args.extension_cache_gib,
                              second_opinion_above=args.second_opinion_above)
@@ -289,10 +291,8 @@ def main(argv: list[str] | None = None) -> None:
     with RowLog(args.out) as log:
         for batch in args.batch_sizes:
             weights, other = weights_for(args.scorer, batch), weights_for(args.second_opinion, batch)
-            if weights is not None:
-                options = replace(options, lm_weight=weights.lm)
             attack = BatchedLoRA(bench.target, bench.names, bench.whitening, options,
-                                 site_weights=weights.sites if weights else None,
+                                 scorer=(weights.sites, weights.lm) if weights else None,
                                  second_opinion=(other.sites, other.lm) if other else None)
             for k in range(args.first_update, args.first_update + args.updates):
                 ids = bench.draw(args.split, batch, k)
@@ -303,12 +303,12 @@ def main(argv: list[str] | None = None) -> None:
                                       update, on_step=progress_writer(args.progress, batch, k, args.split, ids, decode,
                                                                       log.run))
                 seconds = time.perf_counter() - began
-                row = {"B": batch, "L": ids.shape[1], "update": k, "split": args.split, "lm_weight": options.lm_weight,
+                row = {"B": batch, "L": ids.shape[1], "update": k, "split": args.split, "lm_weight": weights.lm if weights else options.lm_weight,
                        "beam": args.beam, "pick_budget": options.pick_budget(batch, ids.shape[1]),
                        **result_row(found, ids, decode, seconds),
                        "label_candidates": args.label_candidates, "refine": options.refine_passes(batch, checked=args.label_candidates > 0),
                        "refine_beam": options.refine_beam, "refine_shortlist": options.refine_shortlist,
-                       "refine_screen_sites": options.refine_screen_sites,
+                       "refine_screen_sites": options.refine_screen_sites, "refine_scorer": options.refine_scorer,
                        "regrow": options.regrow_attempts(batch) if args.label_candidates > 0 else 0,
                        "screen_sites": args.screen_sites, "shortlist": args.shortlist,
                        "screen_precision": args.screen_precision, "extension_cache_gib": args.extension_cache_gib,
