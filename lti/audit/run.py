@@ -291,7 +291,8 @@ class Audit:
         if weights is not None:
             from exact.batched.scorer import describe_batch_sizes
 
-            source = (f"{attacks.batched_scorer}, its weights fitted on updates of {describe_batch_sizes(weights.batch_sizes)}"
+            source = (f"{attacks.batched_scorer}" + (f", its weights fitted on updates of "
+                                                     f"{describe_batch_sizes(weights.batch_sizes)}" if weights.batch_sizes else "")
                       if attacks.batched_scorer else
                       f"fitted on {attacks.batched_scorer_updates} updates of B = {self.options.federation.batch_size} "
                       "simulated from the server's auxiliary text")
