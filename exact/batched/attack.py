@@ -70,7 +70,7 @@ class BatchedOptions(OptionGroup):
         refine_scorer: The weights refinement passes score with when the search has a learned scorer: "search" (the
             search's) or "hand_set" (1 per site and `lm_weight`). With every other sequence known, the test is nearly
             one of membership, and there the hand-set weights rank the true extension first more often (auxiliary
-            tail, B = 16, the true sequences known: 99.8% against 96.6% with the learned weights, which rank it first
+            tail, B = 16, the true sequences known: 99.8% against 96.7% with the learned weights, which rank it first
             72% of the time in the joint search against 38% hand-set: `train_scorer`'s two states).
         refine_screen_sites: Sites of refinement's screen (None: `screen_sites`). With the others' inputs known,
             the first sites' test is nearly one of membership too; but on the auxiliary tail (B = 4) a screen of
@@ -209,6 +209,9 @@ class BatchedLoRA:
         a position table) takes the bag from the first attention layer's span (`bag.span_bag`; `names` must hold
         that layer's weight)."""
         self.target, self.names, self.options = target, list(names), options
+        for name, given in (("scorer", scorer), ("second_opinion", second_opinion)):
+            if given is not None and not (isinstance(given, tuple) and len(given) == 2):
+                raise TypeError(f"{name} must be (site weights, prior weight), not {type(given).__name__}")
         self.scorer, self.second_opinion = scorer, second_opinion
         self.sites = adapter_sites(self.names) if sites is None else list(sites)
         if whitening.sites.shape[0] != len(self.sites):

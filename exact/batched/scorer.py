@@ -84,6 +84,9 @@ def save_scorers(path: str | Path, groups: list[ScorerWeights]) -> None:
         raise ValueError("no scorer weights to save")
     if len({g.fingerprint for g in groups}) > 1 or len({g.sites.numel() for g in groups}) > 1:
         raise ValueError("scorer weights of one file must be of one model (one fingerprint, one site count)")
+    if len(groups) > 1 and any(not g.batch_sizes for g in groups):
+        # a set for any B would be as near every B as a set fitted for it: name the batch sizes of every set
+        raise ValueError("a set of scorer weights for any B cannot share a file with others; give its batch sizes")
     tensors = {}
     for n, g in enumerate(groups):
         tensors[f"sites.{n}"] = g.sites.double().contiguous()
@@ -118,18 +121,24 @@ def load_scorers(path: str | Path, fingerprint: str | None = None, sites: int | 
             parts, batch_sizes = [(tensors["sites"], tensors["lm"])], [[]]
         elif version == FORMAT:
             batch_sizes = json.loads(metadata["batch_sizes"])
+            if not isinstance(batch_sizes, list) or not all(isinstance(b, list) for b in batch_sizes):
+                raise TypeError("batch_sizes")
             parts = [(tensors[f"sites.{n}"], tensors[f"lm.{n}"]) for n in range(len(batch_sizes))]
             if set(tensors) != {f"{kind}.{n}" for n in range(len(batch_sizes)) for kind in ("sites", "lm")}:
                 raise KeyError("tensors")
         else:
             raise KeyError("format")
-    except (KeyError, ValueError, TypeError):
+        groups = [ScorerWeights(w.double().reshape(-1), float(lm.reshape(-1)[0]), metadata.get("fingerprint", ""),
+                                tuple(int(b) for b in sizes)) for (w, lm), sizes in zip(parts, batch_sizes)]
+    except (KeyError, ValueError, TypeError, IndexError, RuntimeError):
         raise ValueError(f"{path} is not a batched-scorer file (format {version!r})") from None
+    if not groups:
+        raise ValueError(f"scorer weights {path} hold no weights")
     if fingerprint is not None and metadata.get("fingerprint") != fingerprint:
         raise ValueError(f"scorer weights {path} were fitted for another model "
                          f"(fingerprint {metadata.get('fingerprint', '')[:12]}, this model {fingerprint[:12]})")
-    groups = [ScorerWeights(w.double().reshape(-1), float(lm.reshape(-1)[0]), metadata.get("fingerprint", ""),
-                            tuple(int(b) for b in sizes)) for (w, lm), sizes in zip(parts, batch_sizes)]
+    if len(groups) > 1 and any(not g.batch_sizes for g in groups):
+        raise ValueError(f"scorer weights {path} mix a set for any B with sets for given batch sizes")
     for weights in groups:
         if sites is not None and weights.sites.numel() != sites:
             raise ValueError(f"scorer weights {path} hold {weights.sites.numel()} sites; the model has {sites}")

@@ -698,7 +698,7 @@ def test_refinement_scores_with_the_hand_set_weights_or_the_search_s_as_asked(mo
     import exact.batched.attack as attack_module
     from exact.batched import BatchedLoRA, BatchedOptions
 
-    pipe, ids, update, flat, simulate, sites, whitening = checked_batch(17)
+    pipe, ids, update, flat, simulate, sites, whitening = checked_batch_of(4, 21)  # B = 4: regrowth runs
     learned = torch.linspace(0.5, 2.0, len(sites), dtype=torch.float64)
     seen = []
     for name in ("grow_sequences", "refine_sequences"):
@@ -718,12 +718,15 @@ def test_refinement_scores_with_the_hand_set_weights_or_the_search_s_as_asked(mo
         seen.clear()
         options = BatchedOptions(label_candidates=4, beam=2, refine=1, regrow=1, lm_weight=0.25,
                                  refine_scorer=refine_scorer)
-        BatchedLoRA(pipe.target, list(pipe.names), whitening, options, scorer=scorer).attack(update, 2, 5, simulate, flat)
+        BatchedLoRA(pipe.target, list(pipe.names), whitening, options, scorer=scorer).attack(update, 4, 5, simulate, flat)
         searched, search_lm, refined, refine_lm = expected
-        assert seen[0] == ("grow_sequences", searched, search_lm)
+        grown = [(w == searched, lm) for name, w, lm in seen if name == "grow_sequences"]
+        assert len(grown) == 2 and set(grown) == {(True, search_lm)}  # the search, then regrowth
         assert {(w == refined, lm) for name, w, lm in seen if name == "refine_sequences"} == {(True, refine_lm)}
     with pytest.raises(ValueError, match="refine_scorer='learned' must be search or hand_set"):
         BatchedOptions(refine_scorer="learned")
+    with pytest.raises(TypeError, match=r"scorer must be \(site weights, prior weight\), not Tensor"):
+        BatchedLoRA(pipe.target, list(pipe.names), whitening, BatchedOptions(), learned)
 
 
 def test_the_extension_cache_holds_the_most_sites_asked_for_and_drops_the_least_recently_used():

@@ -117,7 +117,28 @@ def test_a_file_of_several_batch_sizes_gives_each_b_the_weights_fitted_nearest_i
         ScorerWeights.load(path, "fingerprint-a", 2)
     with pytest.raises(ValueError, match="one model"):
         save_scorers(path, [small, ScorerWeights(large.sites, 0.25, "fingerprint-b", (16,))])
-    assert ScorerWeights.load(path, "fingerprint-a", 2, batch_size=16).lm == 0.25  # the refused save changed nothing
+    with pytest.raises(ValueError, match="for any B cannot share a file"):
+        save_scorers(path, [small, ScorerWeights(large.sites, 0.25, "fingerprint-a")])
+    assert ScorerWeights.load(path, "fingerprint-a", 2, batch_size=16).lm == 0.25  # the refused saves changed nothing
+
+
+def test_a_damaged_version_2_file_is_refused_in_one_line(tmp_path):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "scorer.safetensors"
+    one = {"sites.0": torch.ones(2, dtype=torch.float64), "lm.0": torch.tensor([0.5], dtype=torch.float64)}
+    cases = [({}, "[]", "hold no weights"), (one, "[4]", "not a batched-scorer file"),
+             (one, "[[4], [8]]", "not a batched-scorer file"),
+             ({**one, "lm.0": torch.zeros(0, dtype=torch.float64)}, "[[4]]", "not a batched-scorer file"),
+             ({**one, "extra": torch.ones(1)}, "[[4]]", "not a batched-scorer file"),
+             ({**one, "sites.1": torch.ones(2, dtype=torch.float64), "lm.1": torch.tensor([0.5], dtype=torch.float64)},
+              "[[4], []]", "mix a set for any B")]
+    for tensors, batch_sizes, message in cases:
+        save_file(tensors, str(path), metadata={"format": "lti-batched-scorer/2", "fingerprint": "f",
+                                                "batch_sizes": batch_sizes})
+        with pytest.raises(ValueError, match=message) as error:
+            ScorerWeights.load(path, "f", 2, batch_size=4)
+        assert "\n" not in str(error.value), batch_sizes
 
 
 def test_a_version_1_file_is_read_as_weights_for_any_batch_size(tmp_path):

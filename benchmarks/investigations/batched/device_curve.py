@@ -70,6 +70,10 @@ def run(args) -> None:
     whitening = SiteWhitening.fit(server.target, sites, blocks["auxiliary_whitening"][: args.whitening_blocks].to(device))
     whitening.vocabulary, whitening.sites = whitening.vocabulary.to(device), whitening.sites.to(device)
     print(f"model, adapters and whitening in {time.perf_counter() - started:.0f} s on {device}", flush=True)
+    def scorer_batch_sizes(batch: int) -> list[int] | None:
+        """The batch sizes the scorer file's set for `batch` was fitted on (None: no scorer)."""
+        return list(ScorerWeights.load(args.scorer, fingerprint, len(sites), batch).batch_sizes) if args.scorer else None
+
     def attack_for(batch: int) -> tuple[BatchedLoRA, BatchedOptions]:
         """The attack of updates of `batch` sequences (a scorer file's weights fitted nearest it)."""
         weights = ScorerWeights.load(args.scorer, fingerprint, len(sites), batch) if args.scorer else None
@@ -113,7 +117,8 @@ def run(args) -> None:
                     torch.cuda.synchronize()
                 seconds = time.perf_counter() - began
                 row = {"B": batch, "L": ids.shape[1], "update": k, "split": args.split, "device": str(device),
-                       **result_row(found, ids, decode, seconds), "scorer": args.scorer, "beam": args.beam,
+                       **result_row(found, ids, decode, seconds), "scorer": args.scorer,
+                       "scorer_batch_sizes": scorer_batch_sizes(batch), "beam": args.beam,
                        "refine": args.refine, "lm_weight": attack.scorer[1] if attack.scorer else options.lm_weight, "screen_sites": args.screen_sites,
                        "shortlist": args.shortlist}
                 log.write(row)

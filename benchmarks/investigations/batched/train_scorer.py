@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> None:
                              "other fits of the same examples take seconds")
     parser.add_argument("--state", default="search", choices=["search", "refine"],
                         help="the examples fitted on: the joint search's deflation or a refinement pass's (every other "
-                             "sequence whole); both are collected and reported")
+                             "sequence whole; its fit is reported, no weights file written); both are collected and "
+                             "reported")
     parser.add_argument("--add-to", default=None,
                         help="a scorer file whose sets for other batch sizes the output keeps beside the new fit")
     parser.add_argument("--compare", nargs="*", default=[],
@@ -105,25 +106,37 @@ def main(argv: list[str] | None = None) -> None:
     fitted = fit_weights(training[args.state], start, l2=args.l2)
     fitted.batch_sizes = tuple(args.batch_sizes)
     compared = {"hand_set": start, "fitted": fitted}
-    compared |= {name: ScorerWeights.load(name, bench.fingerprint, len(bench.sites)) for name in args.compare}
+    others = {name: load_scorers(name, bench.fingerprint, len(bench.sites)) for name in args.compare}
+
+    def weights_of(name: str, batch: int | None) -> ScorerWeights:
+        """The fit, the hand-set weights, or a compared file's set for `batch` (nearest it; its first without one)."""
+        if name in compared:
+            return compared[name]
+        return min(others[name], key=lambda g: g.distance(batch)) if batch else others[name][0]
     summary = {"command": "python -m benchmarks.investigations.batched.train_scorer " + " ".join(
                    sys.argv[1:] if argv is None else argv),
                "batch_sizes": args.batch_sizes, "updates": args.updates, "fitted_on_state": args.state,
                "training_examples": len(training[args.state]), "collect_seconds": round(collected, 1),
                "fit_seconds": round(time.perf_counter() - began - collected, 1),
-               "train_top1": {name: accuracy_at_one(training[args.state], w) for name, w in compared.items()},
+               "train_top1": {name: accuracy_at_one(training[args.state], weights_of(name, None))
+                              for name in [*compared, *others]},
                # per B and state: the fraction of held-out extensions whose true token each scorer ranks first
-               "held_out_top1": {str(b): {state: {"examples": len(e)} | {name: accuracy_at_one(e, w)
-                                                                        for name, w in compared.items()}
+               "held_out_top1": {str(b): {state: {"examples": len(e)} | {name: accuracy_at_one(e, weights_of(name, b))
+                                                                        for name in [*compared, *others]}
                                           for state, e in by_state.items()} for b, by_state in held_out.items()},
                "weights": json.loads(describe(fitted))}
     out = Path(args.out)
-    # Another file's sets for other batch sizes come first (a set for these batch sizes is replaced), so each B the
-    # attack reads takes the set fitted nearest it.
-    kept = [g for g in (load_scorers(args.add_to, bench.fingerprint, len(bench.sites)) if args.add_to else [])
-            if set(g.batch_sizes) != set(fitted.batch_sizes)]
-    save_scorers(out, kept + [fitted])
-    summary["file_batch_sizes"] = [list(g.batch_sizes) for g in kept + [fitted]]
+    if args.state == "search":
+        # Another file's sets for other batch sizes are kept (a set sharing a batch size with this fit is replaced),
+        # so each B the attack reads takes the set fitted nearest it.
+        kept = [g for g in (load_scorers(args.add_to, bench.fingerprint, len(bench.sites)) if args.add_to else [])
+                if not set(g.batch_sizes) & set(fitted.batch_sizes)]
+        if any(not g.batch_sizes for g in kept):
+            raise SystemExit(f"{args.add_to} holds a set for any B, which cannot share a file with sets for given B")
+        save_scorers(out, kept + [fitted])
+        summary["file_batch_sizes"] = [list(g.batch_sizes) for g in kept + [fitted]]
+    else:  # the attack's search reads a weights file: weights fitted on refinement's state are reported only
+        print(f"fitted on the {args.state} state: the summary only, no weights file the search would read")
     write_text_atomically(out.with_suffix(".json"), json.dumps(summary, indent=1) + "\n")
     print(json.dumps(summary, indent=1))
 
