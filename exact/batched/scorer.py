@@ -67,9 +67,14 @@ class ScorerWeights:
                 raise ValueError(f"scorer weights {path} hold one set per batch size "
                                  f"({', '.join(describe_batch_sizes(g.batch_sizes) for g in groups)}); name the batch size")
             return groups[0]
-        if batch_size < 1:
-            raise ValueError(f"batch_size={batch_size} must be >= 1")
-        return min(groups, key=lambda g: g.distance(batch_size))
+        return nearest(groups, batch_size)
+
+
+def nearest(groups: list[ScorerWeights], batch_size: int) -> ScorerWeights:
+    """Of a file's sets, the one fitted nearest `batch_size` (in log2 B; the first on a tie)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} must be >= 1")
+    return min(groups, key=lambda g: g.distance(batch_size))
 
 
 def describe_batch_sizes(batch_sizes: tuple[int, ...]) -> str:

@@ -82,6 +82,9 @@ class SpanScorer:
         self.whitening32 = self.whitening.float()
         self.rows = [r.double() @ w for r, w in zip(rows, self.whitening)]  # whitened (k, d) per site
         self.tops = [float(torch.linalg.matrix_norm(r, ord=2)) if r.numel() else 0.0 for r in self.rows]
+        self._weigh(site_weights)
+
+    def _weigh(self, site_weights: Tensor | None) -> None:
         self.site_weights = (torch.ones(len(self.rows), dtype=torch.float64) if site_weights is None
                              else site_weights.double().reshape(-1))
         if self.site_weights.numel() != len(self.rows):
@@ -90,10 +93,7 @@ class SpanScorer:
     def reweighed(self, site_weights: Tensor | None) -> SpanScorer:
         """This update's scorer (the same whitened rows) with other site weights (None: 1 each)."""
         other = copy.copy(self)
-        other.site_weights = (torch.ones(len(self.rows), dtype=torch.float64) if site_weights is None
-                              else site_weights.double().reshape(-1))
-        if other.site_weights.numel() != len(self.rows):
-            raise ValueError(f"{other.site_weights.numel()} site weights for {len(self.rows)} sites")
+        other._weigh(site_weights)
         return other
 
     def known(self, inputs: list[Tensor] | None, extending: Known | None = None) -> Known:

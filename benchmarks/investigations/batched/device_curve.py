@@ -70,17 +70,14 @@ def run(args) -> None:
     whitening = SiteWhitening.fit(server.target, sites, blocks["auxiliary_whitening"][: args.whitening_blocks].to(device))
     whitening.vocabulary, whitening.sites = whitening.vocabulary.to(device), whitening.sites.to(device)
     print(f"model, adapters and whitening in {time.perf_counter() - started:.0f} s on {device}", flush=True)
-    def scorer_batch_sizes(batch: int) -> list[int] | None:
-        """The batch sizes the scorer file's set for `batch` was fitted on (None: no scorer)."""
-        return list(ScorerWeights.load(args.scorer, fingerprint, len(sites), batch).batch_sizes) if args.scorer else None
+    options = BatchedOptions(lm_weight=args.lm_weight, beam=args.beam, refine=args.refine,
+                             screen_sites=args.screen_sites, shortlist=args.shortlist)
 
-    def attack_for(batch: int) -> tuple[BatchedLoRA, BatchedOptions]:
-        """The attack of updates of `batch` sequences (a scorer file's weights fitted nearest it)."""
+    def attack_for(batch: int) -> tuple[BatchedLoRA, ScorerWeights | None]:
+        """The attack of updates of `batch` sequences and the scorer file's set it uses (fitted nearest it)."""
         weights = ScorerWeights.load(args.scorer, fingerprint, len(sites), batch) if args.scorer else None
-        options = BatchedOptions(lm_weight=args.lm_weight, beam=args.beam, refine=args.refine,
-                                 screen_sites=args.screen_sites, shortlist=args.shortlist)
         return BatchedLoRA(server.target, names, whitening, options,
-                           scorer=(weights.sites.to(device), weights.lm) if weights else None), options
+                           scorer=(weights.sites.to(device), weights.lm) if weights else None), weights
 
     decode = None
     if args.tokenizer:
@@ -97,7 +94,7 @@ def run(args) -> None:
     sent = {n: p.detach().float().clone() for n, p in server.target.named_parameters() if n in set(names)}
     with RowLog(args.out) as log:
         for batch in args.batch_sizes:
-            attack, options = attack_for(batch)
+            attack, weights = attack_for(batch)
             batched_client = copy.copy(server.client)  # the prepared adapters, B sequences per update
             batched_client.local = FedSGDClient("train", batch)
             client = server.with_client(batched_client)
@@ -118,8 +115,9 @@ def run(args) -> None:
                 seconds = time.perf_counter() - began
                 row = {"B": batch, "L": ids.shape[1], "update": k, "split": args.split, "device": str(device),
                        **result_row(found, ids, decode, seconds), "scorer": args.scorer,
-                       "scorer_batch_sizes": scorer_batch_sizes(batch), "beam": args.beam,
-                       "refine": args.refine, "lm_weight": attack.scorer[1] if attack.scorer else options.lm_weight, "screen_sites": args.screen_sites,
+                       "scorer_batch_sizes": list(weights.batch_sizes) if weights else None, "beam": args.beam,
+                       "refine": args.refine, "lm_weight": weights.lm if weights else options.lm_weight,
+                       "screen_sites": args.screen_sites,
                        "shortlist": args.shortlist}
                 log.write(row)
 

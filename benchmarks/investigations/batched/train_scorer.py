@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> None:
         examples_by_state,
         fit_weights,
         load_scorers,
+        nearest,
         save_scorers,
     )
     from exact.batched.search import SpanScorer
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
         """The fit, the hand-set weights, or a compared file's set for `batch` (nearest it; its first without one)."""
         if name in compared:
             return compared[name]
-        return min(others[name], key=lambda g: g.distance(batch)) if batch else others[name][0]
+        return nearest(others[name], batch) if batch else others[name][0]
     summary = {"command": "python -m benchmarks.investigations.batched.train_scorer " + " ".join(
                    sys.argv[1:] if argv is None else argv),
                "batch_sizes": args.batch_sizes, "updates": args.updates, "fitted_on_state": args.state,
