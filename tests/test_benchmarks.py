@@ -594,6 +594,17 @@ def test_train_scorer_reads_back_the_examples_it_kept_and_refuses_them_for_other
         module.load_examples(str(path), {**key, "updates": 2})
 
 
+def test_train_scorer_refuses_to_overwrite_an_earlier_fit_or_its_summary(tmp_path):
+    """Before any work: weights or a summary (a refinement-state fit writes only that) already at --out are kept."""
+    module = load_benchmark("investigations.batched.train_scorer")
+    for earlier in ("fit.safetensors", "fit.json"):
+        (tmp_path / earlier).write_text("an earlier fit")
+        with pytest.raises(SystemExit, match=f"{earlier} exists"):
+            module.main(["--out", str(tmp_path / "fit.safetensors")])
+        assert (tmp_path / earlier).read_text() == "an earlier fit"
+        (tmp_path / earlier).unlink()
+
+
 def test_every_batched_investigation_draws_an_update_s_blocks_from_one_seed():
     """`Setup.draw` (lora_batch, extension_cache_pass, screen_recall): update k of B takes the blocks
     randperm(seed 7919 B + k)[:B] of the split asked for."""

@@ -50,8 +50,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compare", nargs="*", default=[],
                         help="scorer weights files whose held-out top-1 is reported beside the fit's")
     args = parser.parse_args(argv)
-    if Path(args.out).exists() and not args.overwrite:
-        raise SystemExit(f"{args.out} exists (an earlier fit); choose another --out or pass --overwrite")
+    for earlier in (Path(args.out), Path(args.out).with_suffix(".json")):  # a refinement-state fit writes the summary only
+        if earlier.exists() and not args.overwrite:
+            raise SystemExit(f"{earlier} exists (an earlier fit); choose another --out or pass --overwrite")
 
     from exact.batched.bag import pick_budget, somp
     from exact.batched.scorer import (
