@@ -29,10 +29,10 @@ import time
 
 import torch
 
+from datamodules.atomic_files import write_text_atomically
 from datamodules.federated import FedSGDClient, LoRAClient, UpdatePipeline
 from datamodules.targets import HFCausalLM
 from datamodules.targets.base import next_token_loss
-from lti.atomic_files import write_text_atomically
 
 VARIANTS = ("loop", "vmap", "ceiling")
 

@@ -1,4 +1,4 @@
-"""Checkpoint files: saved whole (`lti.atomic_files`), and read only when sound.
+"""Checkpoint files: saved whole (`datamodules.atomic_files`), and read only when sound.
 
 A checkpoint is a zip archive (`torch.save`) whose members each carry a CRC-32 of their bytes, but
 `torch.load` does not check them: a flipped bit in a weight would load silently. `check_checkpoint`
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from lti.atomic_files import atomic_writer
+from datamodules.atomic_files import atomic_writer
 
 
 class DamagedCheckpoint(ValueError):

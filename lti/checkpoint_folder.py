@@ -8,7 +8,7 @@
   by a killed run is not held by anyone, so it is simply taken over (a stale lock). Where the file
   system has no `flock`, a lock file naming a live process on this host, or any process on another
   host, counts as held.
-* It removes the temporary files of saves that a killed process left (`lti.atomic_files`).
+* It removes the temporary files of saves that a killed process left (`datamodules.atomic_files`).
 * A folder that holds an earlier run's checkpoints is refused (`EarlierRun`) unless this fit resumes
   from one of them, or the user asked to replace them (`overwrite=True`): otherwise `last.ckpt` would
   stay the earlier run's model while this run's files got `-v1` names.
@@ -22,7 +22,8 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lti.atomic_files import orphaned_temp_files, process_alive
+from datamodules.atomic_files import orphaned_temp_files
+from datamodules.processes import process_alive
 
 LOCK_NAME = ".lock"
 #: `--ckpt_path` values Lightning resolves inside the checkpoint folder itself (a resume).

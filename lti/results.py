@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import WandbLogger
 
-from lti.atomic_files import write_text_atomically
+from datamodules.atomic_files import write_text_atomically
 
 
 def _gather(records: list) -> list:

@@ -30,9 +30,9 @@ import datamodules.targets.vision  # noqa: F401,E402
 import datamodules.text  # noqa: F401,E402
 import datamodules.vision  # noqa: F401,E402
 import lti.inverters  # noqa: F401,E402
+from datamodules.atomic_files import WriteFailed
 from datamodules.text.corpora import TEXT_CACHE_VARIABLE
 from exact.callbacks import ExactAttackCallback
-from lti.atomic_files import WriteFailed
 from lti.checkpoint_files import LOAD_ERRORS, check_checkpoint, damaged, load_checked, save_checkpoint
 from lti.checkpoint_folder import RESUME_KEYWORDS, FolderClaim, checkpoint_files, claim
 from lti.console import describe_checkpoints, quiet_known_noise, quiet_wandb, use_step_progress_bar

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
+from datamodules.atomic_files import atomic_writer
 from exact.batched.search import Prefixes, SpanScorer, decoder, sequence_inputs
 from exact.batched.sites import Site
 
@@ -83,7 +82,7 @@ def describe_batch_sizes(batch_sizes: tuple[int, ...]) -> str:
 
 def save_scorers(path: str | Path, groups: list[ScorerWeights]) -> None:
     """Sets of weights of one model, each for its own batch sizes, in one file; written atomically."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     if not groups:
         raise ValueError("no scorer weights to save")
@@ -98,16 +97,8 @@ def save_scorers(path: str | Path, groups: list[ScorerWeights]) -> None:
         tensors[f"lm.{n}"] = torch.tensor([g.lm], dtype=torch.float64)
     metadata = {"format": FORMAT, "fingerprint": groups[0].fingerprint,
                 "batch_sizes": json.dumps([list(g.batch_sizes) for g in groups])}
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(handle)
-    try:
-        save_file(tensors, temporary, metadata=metadata)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    with atomic_writer(path, "write scorer weights to") as file:
+        file.write(save(tensors, metadata=metadata))
 
 
 def load_scorers(path: str | Path, fingerprint: str | None = None, sites: int | None = None) -> list[ScorerWeights]:

@@ -19,12 +19,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
+from datamodules.atomic_files import atomic_writer
 from datamodules.federated.protocols.base import model_mode
 from exact.batched.sites import Site, capture_site_inputs
 
@@ -113,7 +113,7 @@ class SiteWhitening:
         """The cached whitening at `path` if it was built for this model, these sites and this text; else
         fit it and write it there (atomically). A file built for another model is refused in one line."""
         from safetensors import SafetensorError
-        from safetensors.torch import load_file, save_file
+        from safetensors.torch import load_file, save
 
         key = cls.key(fingerprint, sites, auxiliary_ids)
         if path is not None and Path(path).exists():
@@ -141,17 +141,9 @@ class SiteWhitening:
         say(f"whitening the input spaces of {len(sites)} sites on {auxiliary_ids.shape[0]} auxiliary blocks")
         whitening = cls.fit(target, sites, auxiliary_ids)
         if path is not None:
-            folder = Path(path).parent
-            folder.mkdir(parents=True, exist_ok=True)
-            handle, tmp = tempfile.mkstemp(dir=folder, prefix=f".{Path(path).name}.tmp-")
-            os.close(handle)
-            try:
-                tensors = {"sites": whitening.sites.contiguous()}
-                if whitening.vocabulary is not None:
-                    tensors["vocabulary"] = whitening.vocabulary.contiguous()
-                save_file(tensors, tmp, metadata={"format": FORMAT, "key": key, "fingerprint": fingerprint})
-                os.replace(tmp, path)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+            tensors = {"sites": whitening.sites.contiguous()}
+            if whitening.vocabulary is not None:
+                tensors["vocabulary"] = whitening.vocabulary.contiguous()
+            with atomic_writer(path, "write the whitening cache") as file:
+                file.write(save(tensors, metadata={"format": FORMAT, "key": key, "fingerprint": fingerprint}))
         return whitening

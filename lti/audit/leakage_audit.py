@@ -30,10 +30,10 @@ from flwr.app import ArrayRecord, Message
 from flwr.common.logger import log
 from flwr.serverapp.strategy import Strategy
 
+from datamodules.atomic_files import write_text_atomically
 from datamodules.metrics import ScoreTotals, score_batch
 from datamodules.threat_model import ThreatModel
 from exact.interface import Attack, reads, token_attacks
-from lti.atomic_files import write_text_atomically
 from lti.audit.observed import ObservedStrategy
 
 #: truth(round, node id) -> (B, L) the client's true token ids, or None (a simulation's; a real server has none)

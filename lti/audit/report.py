@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lti.atomic_files import atomic_writer, write_text_atomically
+from datamodules.atomic_files import atomic_writer, write_text_atomically
 from lti.audit.options import AuditOptions
 
 ATTACK_NAMES = {"dager": "DAGER (lora_A span test)",

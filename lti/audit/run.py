@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save
 
-from lti.atomic_files import atomic_writer, orphaned_temp_files, write_text_atomically
+from datamodules.atomic_files import atomic_writer, orphaned_temp_files, write_text_atomically
 from lti.audit.folder import (
     canonical_sha256,
     compared_content,
@@ -177,7 +177,7 @@ class Audit:
                      "path, options and federation match this run's: the content of this run is recorded now")
 
     def _remove_orphans(self) -> None:
-        """The temporary files of writes that a killed audit left (`lti.atomic_files`)."""
+        """The temporary files of writes that a killed audit left (`datamodules.atomic_files`)."""
         folders = [self.out, *sorted(self.rounds_dir.glob("r*"))] if self.rounds_dir.is_dir() else [self.out]
         orphans = [orphan for folder in folders for orphan in orphaned_temp_files(folder)]
         for orphan in orphans:

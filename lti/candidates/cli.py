@@ -25,7 +25,7 @@ import shlex
 import sys
 import time
 
-from lti.atomic_files import write_text_atomically
+from datamodules.atomic_files import write_text_atomically
 from lti.candidates.options import BuildOptions, EvaluateOptions, FitOptions
 
 #: The commands, their options and whether they read a `--config FILE` of them (`build`'s `--config`

@@ -31,8 +31,8 @@ from safetensors.torch import save
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from datamodules.atomic_files import atomic_writer
 from exact.span_evidence import CandidateEvidence, SecondLayerEvidence, SpanEvidence
-from lti.atomic_files import atomic_writer
 
 log = logging.getLogger(__name__)
 

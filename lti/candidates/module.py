@@ -11,8 +11,8 @@ import torch
 from lightning.pytorch import LightningDataModule, LightningModule
 from torch.utils.data import DataLoader, TensorDataset
 
+from datamodules.atomic_files import write_text_atomically
 from datamodules.metrics import RougeScores, rouge_f
-from lti.atomic_files import write_text_atomically
 from lti.candidates.evidence_file import differing, load
 from lti.candidates.pointer import CandidatePointer, pointer_targets, predict_tokens
 

@@ -10,7 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import save
 from torch import Tensor
 
-from lti.atomic_files import atomic_writer
+from datamodules.atomic_files import atomic_writer
 from lti.candidates.pointer import CandidatePointer
 
 

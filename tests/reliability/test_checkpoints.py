@@ -305,7 +305,7 @@ def test_bytes_flipped_in_a_weight_load_silently_without_the_check(good_checkpoi
 
 
 def test_a_save_that_fails_leaves_no_temporary_file(tmp_path):
-    from lti.atomic_files import WriteFailed, atomic_writer
+    from datamodules.atomic_files import WriteFailed, atomic_writer
 
     target = tmp_path / "x.json"
     target.write_text("before")

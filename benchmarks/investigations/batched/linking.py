@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    time.perf_counter() - start)
             rows[-1]["tuning"] = {str(w): a for w, a in tuning.items()}
     if args.out:
-        from lti.atomic_files import write_text_atomically
+        from datamodules.atomic_files import write_text_atomically
 
         write_text_atomically(args.out, json.dumps({"command": vars(args), "rows": rows}, indent=1) + "\n")
     return rows

@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> None:
         if earlier.exists() and not args.overwrite:
             raise SystemExit(f"{earlier} exists (an earlier fit); choose another --out or pass --overwrite")
 
+    from datamodules.atomic_files import write_text_atomically
     from exact.batched.bag import pick_budget, somp
     from exact.batched.scorer import (
         STATES,
@@ -68,7 +69,6 @@ def main(argv: list[str] | None = None) -> None:
     )
     from exact.batched.search import SpanScorer
     from exact.batched.whitening import vocabulary_inputs
-    from lti.atomic_files import write_text_atomically
 
     bench = Setup(args.config, args.whitening_blocks, args.whitening_cache)
     dictionary = vocabulary_inputs(bench.target) @ bench.whitening.vocabulary
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
 def save_examples(path: str, key: dict, training: dict, held_out: dict) -> None:
     """The examples ({state: examples} for training, {B: {state: examples}} held out) as plain tensors, read back
     with weights_only=True; written atomically."""
-    from lti.atomic_files import atomic_writer
+    from datamodules.atomic_files import atomic_writer
 
     def pack(examples: list) -> dict:
         return {"terms": [e.terms for e in examples], "prior": [e.prior for e in examples],

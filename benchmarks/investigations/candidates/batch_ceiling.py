@@ -26,8 +26,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--counts", type=int, nargs="+", default=[32, 64, 128])
     parser.add_argument("--out", default=None, help="a JSON file of the rows")
     args = parser.parse_args(argv)
+    from datamodules.atomic_files import write_text_atomically
     from exact.span_evidence import CandidateEvidence, SecondLayerEvidence, SpanEvidence
-    from lti.atomic_files import write_text_atomically
     from lti.trainer_cli import instantiate
 
     rows = []

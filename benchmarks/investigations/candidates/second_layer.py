@@ -54,9 +54,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--out", default=None, help="a JSON file of the rows")
     args = parser.parse_args(argv)
 
+    from datamodules.atomic_files import write_text_atomically
     from exact.dager import Dager
     from exact.span_evidence import SecondLayerEvidence
-    from lti.atomic_files import write_text_atomically
     from lti.candidates.decoding import decode_candidates
     from lti.candidates.evidence_file import check_pointer_fits, load
     from lti.candidates.weights import load_pointer
