@@ -67,6 +67,14 @@ class BatchedOptions(OptionGroup):
         refine_beam: Prefixes kept per sequence in refinement (None: `beam`). With the other sequences' inputs known,
             the span test is nearly a membership test, so a narrower beam may keep what a wide one finds.
         refine_shortlist: Extensions per sequence scored by every site in refinement (None: `shortlist`).
+        refine_resume: Refinement passes resume each sequence after the prefix the screen confirms (every token ranked
+            first among the bag's extensions, the others' inputs known: `search.verified_lengths`) and regrow only the
+            sequences not confirmed whole; when such a pass keeps none, a pass from the start follows, and the first of
+            those that keeps none ends them (with the server's simulation; without it the passes alternate). A pass from
+            the start trades a right prefix for a wrong one where some others are wrong (on an auxiliary B = 8 update
+            most refused proposals differed from a sequence at its first token while it was right there). Not the
+            default: on the auxiliary tail at B = 4 it kept the same sequences in every pass, and took longer (little is
+            confirmed where the passes work, and the pass that keeps none costs one more).
         refine_scorer: The weights refinement passes score with when the search has a learned scorer: "search" (the
             search's) or "hand_set" (1 per site and `lm_weight`). With every other sequence known, the test is nearly
             one of membership, and there the hand-set weights rank the true extension first more often (auxiliary
@@ -107,6 +115,7 @@ class BatchedOptions(OptionGroup):
     refine_shortlist: int | None = None
     refine_screen_sites: int | None = None
     refine_scorer: Literal["search", "hand_set"] = "search"
+    refine_resume: bool = False
     regrow: int | None = None
     screen_sites: int = 8
     shortlist: int = 64
@@ -357,17 +366,20 @@ class BatchedLoRA:
                 simulate: Callable[[list[list[int]]], Tensor] | None, clock: _Clock, trace: _Trace,
                 cache: ExtensionCache | None = None) -> list[int]:
         """Refinement passes on `state` (changed in place, each pass's sequences added to `trace`); returns the
-        sequences each pass kept."""
+        sequences each pass kept. With `options.refine_resume`, passes resume after the confirmed prefixes until one
+        keeps none, then one from the start decides whether they go on."""
         kept_per_pass: list[int] = []
+        resume = self.options.refine_resume
         for _ in range(passes):
             refined = refine_sequences(self.target, self.sites, scorer, bag, state.sequences, lm_weight,
-                                       cache=cache, **self._refinement)
+                                       cache=cache, resume=resume, **self._refinement)
             refined_labels = likeliest_labels(self.target, refined, self.options.label_candidates)
             for sequence, label in zip(refined, refined_labels):
                 sequence[-1] = label[0]
             if state.current is None:
                 state.sequences, state.labels = refined, refined_labels
                 trace.add("refine", clock.elapsed, state.sequences)
+                resume = self.options.refine_resume and not resume  # without the refit: alternate
                 continue
             trials = simulate(refined)
             kept = 0
@@ -379,7 +391,11 @@ class BatchedLoRA:
             kept_per_pass.append(kept)
             trace.add("refine", clock.elapsed, state.sequences)
             if not kept:
-                break
+                if not resume:
+                    break
+                resume = False  # a resumed pass found nothing: one from the start decides
+            else:
+                resume = self.options.refine_resume
         return kept_per_pass
 
     def _regrow(self, state: _Refit, scorer: SpanScorer, bag: list[int], length: int, lm_weight: float,

@@ -336,7 +336,8 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
                    others: list[list[Tensor]] | None = None, screen_sites: int = 0,
                    shortlist: int = 0, fixed: list[Tensor] | None = None,
                    screen_precision: str = "float32", cache: ExtensionCache | None = None,
-                   screen_model: nn.Module | None = None) -> tuple[list[list[int]], list[list[float]]]:
+                   screen_model: nn.Module | None = None,
+                   prefixes: list[list[int]] | None = None) -> tuple[list[list[int]], list[list[float]]]:
     """B sequences of `length` tokens grown over the bag (each token usable any number of times), and each
     chosen token's margin over the runner-up (a confidence; the last token's is its LM log-probability
     margin). `labels`, if given, receives each sequence's `label_candidates` likeliest last tokens.
@@ -355,6 +356,10 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
     `cache`: extensions computed before (by this search or an earlier one of the same attack) are reused
     (`ExtensionCache`).
 
+    `prefixes[i]` (with `others` only: sequences growing on their own), bag tokens sequence i starts with: they are
+    kept as they are (one extension a position, no beam) and the search grows the sequence from there (a refinement
+    pass resuming after the prefix it verified: `verified_lengths`). Shorter than `length - 1`.
+
     The extensions of all B sequences' beams run through the model together (their inputs do not depend on
     each other); only their scores do, through deflation, so the choices are made sequence by sequence."""
     if others is not None and len(others) != batch_size:
@@ -363,6 +368,17 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
         raise ValueError("fixed inputs are for sequences growing jointly; with others, put them in others")
     if screen_precision not in SCREEN_PRECISIONS:
         raise ValueError(f"screen_precision={screen_precision!r} must be one of {', '.join(SCREEN_PRECISIONS)}")
+    forced = [[] for _ in range(batch_size)] if prefixes is None else [list(p) for p in prefixes]
+    if prefixes is not None:
+        if others is None:
+            raise ValueError("prefixes are for sequences growing on their own (with others)")
+        if len(forced) != batch_size:
+            raise ValueError(f"prefixes holds {len(forced)} sequences' prefixes for {batch_size} sequences")
+        if any(len(p) >= length - 1 for p in forced):
+            raise ValueError(f"a prefix must be shorter than length - 1 = {length - 1} (the last input is grown)")
+        outside = [t for p in forced for t in p if t not in set(bag)]
+        if outside:
+            raise ValueError(f"prefix token {outside[0]} is not in the bag")
     labels = [] if labels is None else labels
     if screen_precision == "bfloat16" and screen_model is None:
         screen_model = bfloat16_twin(target)
@@ -392,6 +408,9 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
     chosen_rows: list[int] = []
     joint = scorer.known(None, fixed_known)  # growing jointly: each first token picked is known for the next
     for i in range(batch_size):
+        if forced[i]:  # kept as it is: no score needed
+            chosen_rows.append(bag.index(forced[i][0]))
+            continue
         if not deflate:
             bases = scorer.bases(None)
         elif others is not None:
@@ -443,8 +462,12 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
         def bases_at_start(i: int) -> list[tuple[Tensor, Tensor]]:
             return at_start(i)[1]
 
-        rows = torch.arange(len(flat), device=device).repeat_interleave(len(bag))
-        tokens = candidates.repeat(len(flat))
+        # Every beam entry extended by every bag token; a sequence still inside its given prefix is extended by the
+        # prefix's token alone, outside the scoring (its one beam entry is advanced below).
+        kept_as_is = [p < len(forced[i]) for i in range(batch_size)]
+        grown = [f for f in range(len(flat)) if not kept_as_is[owners[f]]]
+        rows = torch.tensor(grown, dtype=torch.long, device=device).repeat_interleave(len(bag))
+        tokens = candidates.repeat(len(grown))
         owner = torch.tensor(owners, device=device)[rows]
         cumulative = torch.tensor([b[1] for b in flat], dtype=torch.float64, device=device)[rows]
         prior = lm_weight * run.logp[rows, tokens].double()
@@ -453,19 +476,29 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
             early_inputs = run.extend(rows, tokens, screen_sites, screen_precision, cache)
             keep = []
             for i in range(batch_size):
+                if kept_as_is[i]:
+                    continue
                 mine = (owner == i).nonzero()[:, 0]
                 # The screen weighs its sites alike whatever the scorer's weights: it is there to keep the true
                 # extension (a learned scorer may lean on later sites and leave the first ones little weight).
                 early = scorer.terms([h[mine] for h in early_inputs], bases_at_start(i), screen).sum(1)
                 total = cumulative[mine] + prior[mine] + early
                 keep.append(mine[total.topk(min(shortlist, mine.numel())).indices])
-            kept = torch.cat(keep)
+            kept = torch.cat(keep) if keep else rows[:0]
             rows, tokens, owner, cumulative, prior = rows[kept], tokens[kept], owner[kept], cumulative[kept], prior[kept]
         inputs = run.extend(rows, tokens, cache=cache)
         sources: list[int] = []  # the next position's prefixes: their rows in `run` and their new tokens
         chosen: list[int] = []
         known = at_start(0)[0] if others is None else None
         for i in range(batch_size):
+            if kept_as_is[i]:
+                entry = owners.index(i)
+                beams[i] = [(flat[entry][0] + [forced[i][p]], 0.0)]
+                sources.append(entry)
+                chosen.append(forced[i][p])
+                sequences[i] = list(beams[i][0][0])
+                margins[i].append(0.0)
+                continue
             # Joint: the inputs the sequences before this one chose at p are known too, so two sequences do not
             # both take the direction one true input explains.
             mine = (owner == i).nonzero()[:, 0]
@@ -509,22 +542,98 @@ def sequence_inputs(target: nn.Module, sites: list[Site], sequences: list[list[i
 
 
 @torch.no_grad()
+def verified_lengths(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag: list[int],
+                     sequences: list[list[int]], lm_weight: float = 0.0, screen_sites: int = 0, places: int = 1,
+                     screen_precision: str = "float32", cache: ExtensionCache | None = None,
+                     screen_model: nn.Module | None = None) -> list[int]:
+    """How many of each sequence's first input tokens a refinement pass's screen confirms: the length of its longest
+    prefix whose every token ranks within the first `places` of the bag's extensions of the prefix before it, with
+    every other sequence's inputs (as given) and that prefix known, scored as a refinement pass screens (the first
+    `screen_sites` sites weighed alike, 0: every site, plus `lm_weight` times the global model's log-probability
+    after the prefix; the first token as a pass scores it, by every site). L - 1: every input confirmed. A token outside the bag is not confirmed.
+
+    The extensions are those a pass's regrowth would screen first (the current prefix is the likeliest beam entry),
+    so an extension cache serves them to it."""
+    if screen_precision not in SCREEN_PRECISIONS:
+        raise ValueError(f"screen_precision={screen_precision!r} must be one of {', '.join(SCREEN_PRECISIONS)}")
+    if places < 1:
+        raise ValueError(f"places={places} must be >= 1")
+    batch, inputs_per_sequence = len(sequences), len(sequences[0]) - 1
+    if batch < 2:
+        return [0] * batch
+    if screen_precision == "bfloat16" and screen_model is None:
+        screen_model = bfloat16_twin(target)
+    lm, _, device = decoder(target)
+    used = range(screen_sites) if 0 < screen_sites < len(sites) else range(len(sites))
+    candidates = torch.tensor(bag, dtype=torch.long, device=device)
+    where = {t: k for k, t in enumerate(bag)}
+    ids = torch.tensor(sequences, dtype=torch.long, device=device)
+    inputs = sequence_inputs(target, sites, sequences)  # (B, L - 1, d) per site
+    others = [scorer.known([torch.cat([h[:i], h[i + 1 :]]).reshape(-1, h.shape[-1]) for h in inputs])
+              for i in range(batch)]
+    confirmed = [inputs_per_sequence] * batch
+    first = [h[:, 0] for h in capture_site_inputs(target, sites, lambda: lm(candidates[:, None]))]
+
+    def rank_ok(i: int, p: int, scores: Tensor) -> bool:
+        own = where.get(sequences[i][p])
+        return own is not None and int((scores > scores[own]).sum()) < places
+
+    for i in range(batch):  # position 0 as a pass scores it: every site, weighed (no prefix, no prior)
+        if not rank_ok(i, 0, scorer.score(first, scorer.deflate(others[i]))):
+            confirmed[i] = 0
+    run = Prefixes(target, sites, ids[:, :1], screen_model)
+    for p in range(1, inputs_per_sequence):
+        open_ = [i for i in range(batch) if confirmed[i] == inputs_per_sequence]
+        if not open_:
+            break
+        rows = torch.tensor(open_, dtype=torch.long, device=device).repeat_interleave(len(bag))
+        tokens = candidates.repeat(len(open_))
+        extended = run.extend(rows, tokens, used.stop, screen_precision if used.stop < len(sites) else "float32", cache)
+        for j, i in enumerate(open_):
+            mine = slice(j * len(bag), (j + 1) * len(bag))
+            known = scorer.known([h[i, :p] for h in inputs], others[i])
+            scores = scorer.terms([h[mine] for h in extended], scorer.deflate(known), used).sum(1)
+            scores = scores + lm_weight * run.logp[i, candidates].double()
+            if not rank_ok(i, p, scores):
+                confirmed[i] = p
+        run = run.advance(torch.arange(batch, device=device), ids[:, p])
+    return confirmed
+
+
+@torch.no_grad()
 def refine_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag: list[int],
                      sequences: list[list[int]], lm_weight: float = 0.0, beam: int = 1, screen_sites: int = 0,
                      shortlist: int = 0, screen_precision: str = "float32", cache: ExtensionCache | None = None,
-                     screen_model: nn.Module | None = None) -> list[list[int]]:
+                     screen_model: nn.Module | None = None, resume: bool = False) -> list[list[int]]:
     """One pass of refinement: every sequence grown again with every other sequence's inputs (all their
     positions, as found so far) known. With the others right, the rows' unknown inputs are this sequence's
     own L - 1, fewer than a site's 2r rows at L <= 2r: the span test becomes a membership test. The B
-    sequences regrow together (each against the others' previous inputs), in one search."""
+    sequences regrow together (each against the others' previous inputs), in one search.
+
+    `resume`: each sequence keeps the prefix the screen confirms (`verified_lengths`, top-ranked tokens) and grows
+    again from there; a sequence confirmed whole is not grown again. A pass from the start may trade a right prefix
+    for a wrong one when some of the others are wrong; a resumed pass spends its extensions after the prefix."""
     if len(sequences) < 2:
         return [list(s) for s in sequences]
     inputs = sequence_inputs(target, sites, sequences)
     others = [[torch.cat([h[:i], h[i + 1 :]]).reshape(-1, h.shape[-1]) for h in inputs] for i in range(len(sequences))]
-    grown, _ = grow_sequences(target, sites, scorer, bag, len(sequences), len(sequences[0]), lm_weight, beam=beam,
-                              others=others, screen_sites=screen_sites, shortlist=shortlist,
-                              screen_precision=screen_precision, cache=cache, screen_model=screen_model)
-    return [g[:-1] + [s[-1]] for g, s in zip(grown, sequences)]  # the last token stays the refit's to choose
+    chosen = list(range(len(sequences)))
+    prefixes = None
+    if resume:
+        confirmed = verified_lengths(target, sites, scorer, bag, sequences, lm_weight, screen_sites,
+                                     screen_precision=screen_precision, cache=cache, screen_model=screen_model)
+        chosen = [i for i, n in enumerate(confirmed) if n < len(sequences[i]) - 1]
+        prefixes = [sequences[i][: confirmed[i]] for i in chosen]
+        if not chosen:
+            return [list(s) for s in sequences]
+    grown, _ = grow_sequences(target, sites, scorer, bag, len(chosen), len(sequences[0]), lm_weight, beam=beam,
+                              others=[others[i] for i in chosen], screen_sites=screen_sites, shortlist=shortlist,
+                              screen_precision=screen_precision, cache=cache, screen_model=screen_model,
+                              prefixes=prefixes)
+    refined = [list(s) for s in sequences]
+    for i, g in zip(chosen, grown):
+        refined[i] = g[:-1] + [sequences[i][-1]]  # the last token stays the refit's to choose
+    return refined
 
 
 @torch.no_grad()

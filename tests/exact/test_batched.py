@@ -446,6 +446,143 @@ def test_refinement_regrows_a_wrong_sequence_against_the_others_inputs():
     assert [s[-1] for s in refined] == [s[-1] for s in wrong]  # the labels stay the refit's
 
 
+def test_a_sequence_grown_from_a_given_prefix_keeps_it_and_a_greedy_regrowth_resumed_from_its_own_prefix_repeats_it():
+    """With the others' inputs known a sequence grows on its own, so a greedy (beam 1) regrowth resumed after q of
+    its own tokens makes the choices it made from the start; an empty prefix is the search without one."""
+    from exact.batched.search import sequence_inputs
+
+    t = tiny_batch(14, batch=3, length=6)
+    pipe, ids, sites, bag, scorer = t.pipe, t.ids, t.sites, t.bag, t.scorer
+    inputs = sequence_inputs(pipe.target, sites, ids.tolist())
+    others = [[torch.cat([h[:i], h[i + 1 :]]).reshape(-1, h.shape[-1]) for h in inputs] for i in range(3)]
+    for screen in (dict(), dict(screen_sites=1, shortlist=5)):
+        whole, _ = grow_sequences(pipe.target, sites, scorer, bag, 3, 6, 0.5, others=others, **screen)
+        again, _ = grow_sequences(pipe.target, sites, scorer, bag, 3, 6, 0.5, others=others, prefixes=[[]] * 3, **screen)
+        assert again == whole
+        for q in range(1, 5):
+            resumed, margins = grow_sequences(pipe.target, sites, scorer, bag, 3, 6, 0.5, others=others,
+                                              prefixes=[s[:q] for s in whole], **screen)
+            assert resumed == whole and all(m[:q] == [0.0] * q for m in margins)
+    wrong = [next(x for x in bag if x != ids[0, 0]), next(x for x in bag if x != ids[1, 1])]
+    kept, _ = grow_sequences(pipe.target, sites, scorer, bag, 3, 6, 0.5, beam=3, others=others,
+                             prefixes=[wrong[:1], [int(ids[1, 0]), wrong[1]], []])
+    assert kept[0][:1] == wrong[:1] and kept[1][:2] == [int(ids[1, 0]), wrong[1]]
+    with pytest.raises(ValueError, match="with others"):
+        grow_sequences(pipe.target, sites, scorer, bag, 3, 6, prefixes=[[], [], []])
+    with pytest.raises(ValueError, match="shorter than length - 1 = 5"):
+        grow_sequences(pipe.target, sites, scorer, bag, 3, 6, others=others, prefixes=[bag[:5], [], []])
+    outside = next(x for x in range(VOCAB) if x not in bag)
+    with pytest.raises(ValueError, match=f"prefix token {outside} is not in the bag"):
+        grow_sequences(pipe.target, sites, scorer, bag, 3, 6, others=others, prefixes=[[outside], [], []])
+
+
+def slow_verified_lengths(target, sites, scorer, bag, sequences, lm_weight, screen_sites):
+    """`verified_lengths` recomputed: every prefix and extension run whole through the model, every site's input
+    from that pass, the deflation by one SVD of everything known."""
+    from exact.batched.search import decoder
+
+    lm, base, _ = decoder(target)
+    used = range(screen_sites) if 0 < screen_sites < len(sites) else range(len(sites))
+    whole = capture_site_inputs(target, sites, lambda: base(torch.tensor(sequences)[:, :-1]))
+    lengths = []
+    for i, sequence in enumerate(sequences):
+        others = [torch.cat([h[:i], h[i + 1 :]]).reshape(-1, h.shape[-1]) for h in whole]
+        n = len(sequence) - 1
+        for p in range(len(sequence) - 1):
+            ids = torch.tensor([sequence[:p] + [token] for token in bag])
+            hidden = [h[:, p] for h in capture_site_inputs(target, sites, lambda ids=ids: base(ids))]
+            bases = scorer.bases([torch.cat([o, h[i, :p]]) for o, h in zip(others, whole)])
+            if p == 0:
+                scores = scorer.score(hidden, bases)
+            else:
+                prior = lm(torch.tensor([sequence[:p]])).logits[0, -1].float().log_softmax(-1)[bag].double()
+                scores = scorer.terms([hidden[s] for s in used], bases, used).sum(1) + lm_weight * prior
+            if sequence[p] not in bag or int((scores > scores[bag.index(sequence[p])]).sum()) > 0:
+                n = p
+                break
+        lengths.append(n)
+    return lengths
+
+
+@pytest.mark.parametrize("screen_sites", [0, 1])
+def test_verified_lengths_equal_a_whole_recompute_and_confirm_the_true_batch_further_than_a_wrong_one(screen_sites):
+    from exact.batched.search import ExtensionCache, verified_lengths
+
+    t = tiny_batch(5, batch=3, length=6)
+    pipe, ids, sites, bag, scorer = t.pipe, t.ids, t.sites, t.bag, t.scorer
+    wrong = ids.tolist()
+    wrong[0][2] = next(x for x in bag if x != wrong[0][2])
+    wrong[2][0] = next(x for x in range(VOCAB) if x not in bag)  # a token outside the bag is never confirmed
+    found = {}
+    for name, sequences in (("true", ids.tolist()), ("wrong", wrong)):
+        found[name] = verified_lengths(pipe.target, sites, scorer, bag, sequences, 0.5, screen_sites)
+        assert found[name] == slow_verified_lengths(pipe.target, sites, scorer, bag, sequences, 0.5, screen_sites)
+        cache = ExtensionCache(2**26)
+        assert verified_lengths(pipe.target, sites, scorer, bag, sequences, 0.5, screen_sites, cache=cache) == found[name]
+        assert (cache.computed > 0) == any(n > 0 for n in found[name])  # extensions after a confirmed first token
+    assert found["wrong"][2] == 0
+    if not screen_sites:  # every site: the true batch's first two sequences confirmed whole, a wrong input ends one
+        assert found["true"][:2] == [5, 5] and found["wrong"][0] <= 2
+
+
+def test_a_resumed_refinement_pass_regrows_only_the_unconfirmed_sequences_after_their_confirmed_prefixes(monkeypatch):
+    import exact.batched.search as search
+    from exact.batched.search import refine_sequences
+
+    t = tiny_batch(14, batch=3, length=6)
+    pipe, ids, sites, bag, scorer = t.pipe, t.ids, t.sites, t.bag, t.scorer
+    current = ids.tolist()
+    calls = []
+    monkeypatch.setattr(search, "verified_lengths", lambda *a, **k: [5, 2, 0])
+    original = search.grow_sequences
+
+    def recorded(target, sites, scorer, bag, batch_size, length, *args, **kwargs):
+        calls.append((batch_size, kwargs["prefixes"], len(kwargs["others"])))
+        return original(target, sites, scorer, bag, batch_size, length, *args, **kwargs)
+
+    monkeypatch.setattr(search, "grow_sequences", recorded)
+    refined = refine_sequences(pipe.target, sites, scorer, bag, current, beam=2, resume=True)
+    assert calls == [(2, [current[1][:2], []], 2)]
+    assert refined[0] == current[0] and refined[1][:2] == current[1][:2]
+    assert [s[-1] for s in refined] == [s[-1] for s in current]  # the labels stay the refit's
+    calls.clear()
+    monkeypatch.setattr(search, "verified_lengths", lambda *a, **k: [5, 5, 5])
+    assert refine_sequences(pipe.target, sites, scorer, bag, current, beam=2, resume=True) == current and not calls
+
+
+def test_resumed_passes_go_on_until_one_keeps_none_then_one_from_the_start_decides(monkeypatch):
+    import exact.batched.attack as attack_module
+    from exact.batched import BatchedLoRA, BatchedOptions
+
+    pipe, ids, update, flat, simulate, sites, whitening = checked_batch(13)
+    attack = BatchedLoRA(pipe.target, list(pipe.names), whitening,
+                         BatchedOptions(refine=6, regrow=0, beam=2, label_candidates=1, refine_resume=True))
+    modes, proposals = [], []
+
+    def scripted(target, sites, scorer, bag, sequences, *args, resume=False, **kwargs):
+        modes.append(resume)
+        return proposals.pop(0)(sequences)
+
+    def wrong_search(target, sites, scorer, bag, batch_size, length, *args, labels=None, **kwargs):
+        sequences = [[(t + 1) % VOCAB for t in s] for s in ids.tolist()]
+        labels[:] = [[s[-1]] for s in sequences]
+        return sequences, [[0.0] * length for _ in sequences]
+
+    same = lambda s: [list(x) for x in s]  # noqa: E731
+    truth = lambda s: ids.tolist()[::-1]  # noqa: E731
+    monkeypatch.setattr(attack_module, "refine_sequences", scripted)
+    monkeypatch.setattr(attack_module, "grow_sequences", wrong_search)
+    # a resumed pass keeps nothing, one from the start keeps the truth, resumed again: nothing, from the start: nothing
+    proposals[:] = [same, truth, same, same]
+    result = attack.attack(update, 2, 5, simulate, flat)
+    assert modes == [True, False, True, False] and result.kept_per_pass[1] > 0 and result.kept_per_pass[-1] == 0
+    assert sorted(s[:-1] for s in result.sequences) == sorted(s[:-1] for s in ids.tolist())
+    modes.clear()
+    proposals[:] = [same] * 6  # without the server's simulation the passes alternate, all kept
+    attack.attack(update, 2, 5)
+    assert modes == [True, False, True, False, True, False][: len(modes)] and len(modes) >= 2
+
+
 def test_refinement_deflates_once_per_sequence_and_position_and_finds_what_it_found_before(monkeypatch):
     """The screen and the full pass share each sequence's deflation; growing jointly, the first sequence of a
     position shares it too. Counted, and the result is the one the uncached search gives (a recompute per call)."""
@@ -491,8 +628,8 @@ def test_refinement_takes_its_own_beam_and_shortlist(monkeypatch):
     seen = []
 
     def recorded(target, sites, scorer, bag, sequences, lm_weight=0.0, beam=1, screen_sites=0, shortlist=0,
-                 screen_precision="float32", cache=None, screen_model=None):
-        assert cache is None  # the extension cache is off by default
+                 screen_precision="float32", cache=None, screen_model=None, resume=False):
+        assert cache is None and not resume  # the extension cache and resumed passes are off by default
         seen.append((beam, screen_sites, shortlist, screen_precision))
         models.append(screen_model)
         return [list(s) for s in sequences]

@@ -243,6 +243,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="sites of refinement's screen (default: --screen-sites)")
     parser.add_argument("--refine-scorer", default=BatchedOptions.refine_scorer, choices=["search", "hand_set"],
                         help="the weights refinement scores with when the search has a learned scorer")
+    parser.add_argument("--refine-resume", action="store_true",
+                        help="refinement passes resume each sequence after the prefix the screen confirms (a pass from "
+                             "the start when one keeps none)")
     parser.add_argument("--label-candidates", type=int, default=16,
                         help="last tokens chosen by the least-squares refit among the LM's top k (0: no refit)")
     parser.add_argument("--screen-sites", type=int, default=BatchedOptions.screen_sites,
@@ -278,6 +281,7 @@ def main(argv: list[str] | None = None) -> None:
                              label_candidates=max(1, args.label_candidates), refine=args.refine,
                              refine_beam=args.refine_beam, refine_shortlist=args.refine_shortlist,
                              refine_screen_sites=args.refine_screen_sites, refine_scorer=args.refine_scorer,
+                             refine_resume=args.refine_resume,
                              regrow=args.regrow,
                              screen_sites=args.screen_sites, shortlist=args.shortlist,
                              screen_precision=args.screen_precision, extension_cache_gib=args.extension_cache_gib,
@@ -309,6 +313,7 @@ def main(argv: list[str] | None = None) -> None:
                        "label_candidates": args.label_candidates, "refine": options.refine_passes(batch, checked=args.label_candidates > 0),
                        "refine_beam": options.refine_beam, "refine_shortlist": options.refine_shortlist,
                        "refine_screen_sites": options.refine_screen_sites, "refine_scorer": options.refine_scorer,
+                       "refine_resume": options.refine_resume,
                        "regrow": options.regrow_attempts(batch) if args.label_candidates > 0 else 0,
                        "screen_sites": args.screen_sites, "shortlist": args.shortlist,
                        "screen_precision": args.screen_precision, "extension_cache_gib": args.extension_cache_gib,
