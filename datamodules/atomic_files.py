@@ -1,4 +1,4 @@
-"""Files written whole or not at all: checkpoints and results files.
+"""Files written whole or not at all: checkpoints, results files and caches (every layer writes through it).
 
 A file is written to a temporary name beside its target (`<folder>/.<name>.tmp-<pid>`), flushed to the
 disk and renamed over the target. A rename within one folder is atomic, so a crash, a kill or a full

@@ -70,7 +70,8 @@ class BatchedOptions(OptionGroup):
         refine_resume: Refinement passes resume each sequence after the prefix the screen confirms (every token ranked
             first among the bag's extensions, the others' inputs known: `search.verified_lengths`) and regrow only the
             sequences not confirmed whole; when such a pass keeps none, a pass from the start follows, and the first of
-            those that keeps none ends them (with the server's simulation; without it the passes alternate). A pass from
+            those that keeps none ends them (with the server's simulation; without it the passes alternate). Every pass
+            counts against `refine`, so the cap may end them before a pass from the start has run. A pass from
             the start trades a right prefix for a wrong one where some others are wrong (on an auxiliary B = 8 update
             most refused proposals differed from a sequence at its first token while it was right there). Not the
             default: on the auxiliary tail at B = 4 it kept the same sequences in every pass, and took longer (little is

@@ -543,14 +543,15 @@ def sequence_inputs(target: nn.Module, sites: list[Site], sequences: list[list[i
 
 @torch.no_grad()
 def verified_lengths(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag: list[int],
-                     sequences: list[list[int]], lm_weight: float = 0.0, screen_sites: int = 0, places: int = 1,
-                     screen_precision: str = "float32", cache: ExtensionCache | None = None,
-                     screen_model: nn.Module | None = None) -> list[int]:
+                     sequences: list[list[int]], lm_weight: float = 0.0, screen_sites: int = 0, shortlist: int = 0,
+                     beam: int = 1, places: int = 1, screen_precision: str = "float32",
+                     cache: ExtensionCache | None = None, screen_model: nn.Module | None = None) -> list[int]:
     """How many of each sequence's first input tokens a refinement pass's screen confirms: the length of its longest
     prefix whose every token ranks within the first `places` of the bag's extensions of the prefix before it, with
-    every other sequence's inputs (as given) and that prefix known, scored as a refinement pass screens (the first
-    `screen_sites` sites weighed alike, 0: every site, plus `lm_weight` times the global model's log-probability
-    after the prefix; the first token as a pass scores it, by every site). L - 1: every input confirmed. A token outside the bag is not confirmed.
+    every other sequence's inputs (as given) and that prefix known, scored as a refinement pass of that `beam`,
+    `screen_sites` and `shortlist` first scores them (`grow_sequences`): by its screen where it screens (the first
+    `screen_sites` sites weighed alike), else by every site weighed by the scorer; plus `lm_weight` times the global
+    model's log-probability after the prefix. The first token is scored as a pass scores it, by every site. L - 1: every input confirmed. A token outside the bag is not confirmed.
 
     The extensions are those a pass's regrowth would screen first (the current prefix is the likeliest beam entry),
     so an extension cache serves them to it."""
@@ -564,7 +565,8 @@ def verified_lengths(target: nn.Module, sites: list[Site], scorer: SpanScorer, b
     if screen_precision == "bfloat16" and screen_model is None:
         screen_model = bfloat16_twin(target)
     lm, _, device = decoder(target)
-    used = range(screen_sites) if 0 < screen_sites < len(sites) else range(len(sites))
+    screened = 0 < screen_sites < len(sites) and 0 < shortlist < beam * len(bag)  # as `grow_sequences` decides
+    used = range(screen_sites) if screened else range(len(sites))
     candidates = torch.tensor(bag, dtype=torch.long, device=device)
     where = {t: k for k, t in enumerate(bag)}
     ids = torch.tensor(sequences, dtype=torch.long, device=device)
@@ -588,11 +590,13 @@ def verified_lengths(target: nn.Module, sites: list[Site], scorer: SpanScorer, b
             break
         rows = torch.tensor(open_, dtype=torch.long, device=device).repeat_interleave(len(bag))
         tokens = candidates.repeat(len(open_))
-        extended = run.extend(rows, tokens, used.stop, screen_precision if used.stop < len(sites) else "float32", cache)
+        extended = (run.extend(rows, tokens, used.stop, screen_precision, cache) if screened
+                    else run.extend(rows, tokens, cache=cache))
         for j, i in enumerate(open_):
             mine = slice(j * len(bag), (j + 1) * len(bag))
             known = scorer.known([h[i, :p] for h in inputs], others[i])
-            scores = scorer.terms([h[mine] for h in extended], scorer.deflate(known), used).sum(1)
+            hidden, bases = [h[mine] for h in extended], scorer.deflate(known)
+            scores = scorer.terms(hidden, bases, used).sum(1) if screened else scorer.score(hidden, bases)
             scores = scores + lm_weight * run.logp[i, candidates].double()
             if not rank_ok(i, p, scores):
                 confirmed[i] = p
@@ -620,7 +624,7 @@ def refine_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, b
     chosen = list(range(len(sequences)))
     prefixes = None
     if resume:
-        confirmed = verified_lengths(target, sites, scorer, bag, sequences, lm_weight, screen_sites,
+        confirmed = verified_lengths(target, sites, scorer, bag, sequences, lm_weight, screen_sites, shortlist, beam,
                                      screen_precision=screen_precision, cache=cache, screen_model=screen_model)
         chosen = [i for i, n in enumerate(confirmed) if n < len(sequences[i]) - 1]
         prefixes = [sequences[i][: confirmed[i]] for i in chosen]

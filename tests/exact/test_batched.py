@@ -460,13 +460,22 @@ def test_a_sequence_grown_from_a_given_prefix_keeps_it_and_a_greedy_regrowth_res
         again, _ = grow_sequences(pipe.target, sites, scorer, bag, 3, 6, 0.5, others=others, prefixes=[[]] * 3, **screen)
         assert again == whole
         for q in range(1, 5):
-            resumed, margins = grow_sequences(pipe.target, sites, scorer, bag, 3, 6, 0.5, others=others,
-                                              prefixes=[s[:q] for s in whole], **screen)
-            assert resumed == whole and all(m[:q] == [0.0] * q for m in margins)
+            resumed, _ = grow_sequences(pipe.target, sites, scorer, bag, 3, 6, 0.5, others=others,
+                                        prefixes=[s[:q] for s in whole], **screen)
+            assert resumed == whole
+    # A wider beam: the forced tokens stay (no margin), and a sequence without a prefix grows as it grows alone
+    # beside them (each sequence grows on its own against the others), so the beam's rows stay in order.
     wrong = [next(x for x in bag if x != ids[0, 0]), next(x for x in bag if x != ids[1, 1])]
-    kept, _ = grow_sequences(pipe.target, sites, scorer, bag, 3, 6, 0.5, beam=3, others=others,
-                             prefixes=[wrong[:1], [int(ids[1, 0]), wrong[1]], []])
-    assert kept[0][:1] == wrong[:1] and kept[1][:2] == [int(ids[1, 0]), wrong[1]]
+    for screen in (dict(), dict(screen_sites=1, shortlist=5)):
+        free, free_margins = grow_sequences(pipe.target, sites, scorer, bag, 3, 6, 0.5, beam=3, others=others,
+                                            **screen)
+        kept, margins = grow_sequences(pipe.target, sites, scorer, bag, 3, 6, 0.5, beam=3, others=others,
+                                       prefixes=[wrong[:1], [int(ids[1, 0]), wrong[1]], []], **screen)
+        assert kept[0][:1] == wrong[:1] and kept[1][:2] == [int(ids[1, 0]), wrong[1]]
+        assert margins[0][:1] == [0.0] and margins[1][:2] == [0.0, 0.0]
+        # (margins to float32 rounding: the extensions ran in other batches)
+        assert kept[2] == free[2] and margins[2] == pytest.approx(free_margins[2], rel=1e-5, abs=1e-6)
+        assert any(m != 0.0 for m in margins[1][2:-1])  # the free positions after a prefix are chosen, with margins
     with pytest.raises(ValueError, match="with others"):
         grow_sequences(pipe.target, sites, scorer, bag, 3, 6, prefixes=[[], [], []])
     with pytest.raises(ValueError, match="shorter than length - 1 = 5"):
@@ -476,13 +485,15 @@ def test_a_sequence_grown_from_a_given_prefix_keeps_it_and_a_greedy_regrowth_res
         grow_sequences(pipe.target, sites, scorer, bag, 3, 6, others=others, prefixes=[[outside], [], []])
 
 
-def slow_verified_lengths(target, sites, scorer, bag, sequences, lm_weight, screen_sites):
+def slow_verified_lengths(target, sites, scorer, bag, sequences, lm_weight, screen_sites, shortlist, beam):
     """`verified_lengths` recomputed: every prefix and extension run whole through the model, every site's input
-    from that pass, the deflation by one SVD of everything known."""
+    from that pass, the deflation by one SVD of everything known; the screen's sites alike where a pass of that beam
+    and shortlist screens, else every site weighed."""
     from exact.batched.search import decoder
 
     lm, base, _ = decoder(target)
-    used = range(screen_sites) if 0 < screen_sites < len(sites) else range(len(sites))
+    screened = 0 < screen_sites < len(sites) and 0 < shortlist < beam * len(bag)
+    used = range(screen_sites)
     whole = capture_site_inputs(target, sites, lambda: base(torch.tensor(sequences)[:, :-1]))
     lengths = []
     for i, sequence in enumerate(sequences):
@@ -496,7 +507,8 @@ def slow_verified_lengths(target, sites, scorer, bag, sequences, lm_weight, scre
                 scores = scorer.score(hidden, bases)
             else:
                 prior = lm(torch.tensor([sequence[:p]])).logits[0, -1].float().log_softmax(-1)[bag].double()
-                scores = scorer.terms([hidden[s] for s in used], bases, used).sum(1) + lm_weight * prior
+                span = scorer.terms([hidden[s] for s in used], bases, used).sum(1) if screened else scorer.score(hidden, bases)
+                scores = span + lm_weight * prior
             if sequence[p] not in bag or int((scores > scores[bag.index(sequence[p])]).sum()) > 0:
                 n = p
                 break
@@ -504,24 +516,30 @@ def slow_verified_lengths(target, sites, scorer, bag, sequences, lm_weight, scre
     return lengths
 
 
-@pytest.mark.parametrize("screen_sites", [0, 1])
-def test_verified_lengths_equal_a_whole_recompute_and_confirm_the_true_batch_further_than_a_wrong_one(screen_sites):
+@pytest.mark.parametrize("screen_sites,shortlist", [(0, 0), (1, 4), (1, 0)])
+def test_verified_lengths_equal_a_whole_recompute_and_confirm_the_true_batch_further_than_a_wrong_one(screen_sites,
+                                                                                                     shortlist):
+    """Scored as the pass scores: by the screen where the pass screens (site 0, shortlist 4), else by every site
+    weighed by the scorer (weights other than 1, so weighing is seen)."""
     from exact.batched.search import ExtensionCache, verified_lengths
 
     t = tiny_batch(5, batch=3, length=6)
-    pipe, ids, sites, bag, scorer = t.pipe, t.ids, t.sites, t.bag, t.scorer
+    pipe, ids, sites, bag = t.pipe, t.ids, t.sites, t.bag
+    scorer = t.scorer.reweighed(torch.tensor([0.8, 1.3]))
     wrong = ids.tolist()
     wrong[0][2] = next(x for x in bag if x != wrong[0][2])
     wrong[2][0] = next(x for x in range(VOCAB) if x not in bag)  # a token outside the bag is never confirmed
     found = {}
     for name, sequences in (("true", ids.tolist()), ("wrong", wrong)):
-        found[name] = verified_lengths(pipe.target, sites, scorer, bag, sequences, 0.5, screen_sites)
-        assert found[name] == slow_verified_lengths(pipe.target, sites, scorer, bag, sequences, 0.5, screen_sites)
+        found[name] = verified_lengths(pipe.target, sites, scorer, bag, sequences, 0.5, screen_sites, shortlist, 2)
+        assert found[name] == slow_verified_lengths(pipe.target, sites, scorer, bag, sequences, 0.5, screen_sites,
+                                                    shortlist, 2)
         cache = ExtensionCache(2**26)
-        assert verified_lengths(pipe.target, sites, scorer, bag, sequences, 0.5, screen_sites, cache=cache) == found[name]
+        assert verified_lengths(pipe.target, sites, scorer, bag, sequences, 0.5, screen_sites, shortlist, 2,
+                                cache=cache) == found[name]
         assert (cache.computed > 0) == any(n > 0 for n in found[name])  # extensions after a confirmed first token
     assert found["wrong"][2] == 0
-    if not screen_sites:  # every site: the true batch's first two sequences confirmed whole, a wrong input ends one
+    if not shortlist:  # every site: the true batch's first two sequences confirmed whole, a wrong input ends one
         assert found["true"][:2] == [5, 5] and found["wrong"][0] <= 2
 
 
