@@ -694,3 +694,14 @@ def test_batched_curve_draws_an_update_stopped_before_its_row_from_its_progress_
     assert sorted(drawn[0]) == [8, 16] and "| B |" not in capsys.readouterr().out
     with pytest.raises(SystemExit, match="give lora_batch rows or --progress"):
         module.main([])
+
+
+def test_refine_proposals_records_each_sequence_against_its_best_matching_truth():
+    proposals = load_benchmark("investigations.batched.refine_proposals")
+    truth = [[1, 2, 3, 4, 9], [5, 6, 7, 8, 9]]
+    # right up to position 2, proposed from position 0 on: a right prefix traded for a wrong one
+    record = proposals.proposal_record([5, 6, 7, 1, 0], [2, 6, 7, 8, 3], truth)
+    assert record == {"same": False, "first_diff": 0, "first_wrong": 3, "new_first_wrong": 0}
+    # the label (last token) is never compared: a proposal differing only there is the same sequence
+    assert proposals.proposal_record([1, 2, 3, 4, 0], [1, 2, 3, 4, 7], truth) == {
+        "same": True, "first_diff": None, "first_wrong": None, "new_first_wrong": None}
