@@ -376,7 +376,8 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
             raise ValueError(f"prefixes holds {len(forced)} sequences' prefixes for {batch_size} sequences")
         if any(len(p) >= length - 1 for p in forced):
             raise ValueError(f"a prefix must be shorter than length - 1 = {length - 1} (the last input is grown)")
-        outside = [t for p in forced for t in p if t not in set(bag)]
+        in_bag = set(bag)
+        outside = [t for p in forced for t in p if t not in in_bag]
         if outside:
             raise ValueError(f"prefix token {outside[0]} is not in the bag")
     labels = [] if labels is None else labels
@@ -541,17 +542,28 @@ def sequence_inputs(target: nn.Module, sites: list[Site], sequences: list[list[i
     return capture_site_inputs(target, sites, lambda: base(ids))
 
 
+def others_inputs(inputs: list[Tensor]) -> list[list[Tensor]]:
+    """For each of the B sequences, every other sequence's inputs (n, d) per site, from `sequence_inputs`' (B, L - 1, d)
+    per site: what a refinement pass knows while it grows that sequence again."""
+    batch = inputs[0].shape[0]
+    return [[torch.cat([h[:i], h[i + 1 :]]).reshape(-1, h.shape[-1]) for h in inputs] for i in range(batch)]
+
+
 @torch.no_grad()
 def verified_lengths(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag: list[int],
                      sequences: list[list[int]], lm_weight: float = 0.0, screen_sites: int = 0, shortlist: int = 0,
                      beam: int = 1, places: int = 1, screen_precision: str = "float32",
-                     cache: ExtensionCache | None = None, screen_model: nn.Module | None = None) -> list[int]:
+                     cache: ExtensionCache | None = None, screen_model: nn.Module | None = None,
+                     inputs: list[Tensor] | None = None) -> list[int]:
     """How many of each sequence's first input tokens a refinement pass's screen confirms: the length of its longest
     prefix whose every token ranks within the first `places` of the bag's extensions of the prefix before it, with
     every other sequence's inputs (as given) and that prefix known, scored as a refinement pass of that `beam`,
-    `screen_sites` and `shortlist` first scores them (`grow_sequences`): by its screen where it screens (the first
-    `screen_sites` sites weighed alike), else by every site weighed by the scorer; plus `lm_weight` times the global
-    model's log-probability after the prefix. The first token is scored as a pass scores it, by every site. L - 1: every input confirmed. A token outside the bag is not confirmed.
+    `screen_sites` and `shortlist` first scores them (`grow_sequences`): by its screen where a pass with full beams
+    screens (the first `screen_sites` sites weighed alike; a pass's second position, whose beam holds one prefix, may
+    be scored by every site instead), else by every site weighed by the scorer; plus `lm_weight` times the global
+    model's log-probability after the prefix. The first token is scored as a pass scores it, by every site. L - 1:
+    every input confirmed. A token outside the bag is not confirmed. `inputs`: the sequences' `sequence_inputs`, if
+    the caller has them.
 
     The extensions are those a pass's regrowth would screen first (the current prefix is the likeliest beam entry),
     so an extension cache serves them to it."""
@@ -570,9 +582,8 @@ def verified_lengths(target: nn.Module, sites: list[Site], scorer: SpanScorer, b
     candidates = torch.tensor(bag, dtype=torch.long, device=device)
     where = {t: k for k, t in enumerate(bag)}
     ids = torch.tensor(sequences, dtype=torch.long, device=device)
-    inputs = sequence_inputs(target, sites, sequences)  # (B, L - 1, d) per site
-    others = [scorer.known([torch.cat([h[:i], h[i + 1 :]]).reshape(-1, h.shape[-1]) for h in inputs])
-              for i in range(batch)]
+    inputs = sequence_inputs(target, sites, sequences) if inputs is None else inputs  # (B, L - 1, d) per site
+    others = [scorer.known(known) for known in others_inputs(inputs)]
     confirmed = [inputs_per_sequence] * batch
     first = [h[:, 0] for h in capture_site_inputs(target, sites, lambda: lm(candidates[:, None]))]
 
@@ -620,12 +631,13 @@ def refine_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, b
     if len(sequences) < 2:
         return [list(s) for s in sequences]
     inputs = sequence_inputs(target, sites, sequences)
-    others = [[torch.cat([h[:i], h[i + 1 :]]).reshape(-1, h.shape[-1]) for h in inputs] for i in range(len(sequences))]
+    others = others_inputs(inputs)
     chosen = list(range(len(sequences)))
     prefixes = None
     if resume:
         confirmed = verified_lengths(target, sites, scorer, bag, sequences, lm_weight, screen_sites, shortlist, beam,
-                                     screen_precision=screen_precision, cache=cache, screen_model=screen_model)
+                                     screen_precision=screen_precision, cache=cache, screen_model=screen_model,
+                                     inputs=inputs)
         chosen = [i for i, n in enumerate(confirmed) if n < len(sequences[i]) - 1]
         prefixes = [sequences[i][: confirmed[i]] for i in chosen]
         if not chosen:
