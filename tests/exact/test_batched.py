@@ -488,17 +488,19 @@ def test_a_sequence_grown_from_a_given_prefix_keeps_it_and_a_greedy_regrowth_res
 def slow_verified_lengths(target, sites, scorer, bag, sequences, lm_weight, screen_sites, shortlist, beam):
     """`verified_lengths` recomputed: every prefix and extension run whole through the model, every site's input
     from that pass, the deflation by one SVD of everything known; the screen's sites alike where a pass of that beam
-    and shortlist screens, else every site weighed."""
+    and shortlist screens, else every site weighed. Returns the lengths with a near tie counted against the token and
+    for it (a tie within 64 float32 steps of the scores' size: the fast path reads the same inputs from other batches
+    and an incremental deflation, so only such a tie may fall either way)."""
     from exact.batched.search import decoder
 
     lm, base, _ = decoder(target)
     screened = 0 < screen_sites < len(sites) and 0 < shortlist < beam * len(bag)
     used = range(screen_sites)
     whole = capture_site_inputs(target, sites, lambda: base(torch.tensor(sequences)[:, :-1]))
-    lengths = []
+    strict, lenient = [], []
     for i, sequence in enumerate(sequences):
         others = [torch.cat([h[:i], h[i + 1 :]]).reshape(-1, h.shape[-1]) for h in whole]
-        n = len(sequence) - 1
+        n = {"strict": len(sequence) - 1, "lenient": len(sequence) - 1}
         for p in range(len(sequence) - 1):
             ids = torch.tensor([sequence[:p] + [token] for token in bag])
             hidden = [h[:, p] for h in capture_site_inputs(target, sites, lambda ids=ids: base(ids))]
@@ -509,11 +511,18 @@ def slow_verified_lengths(target, sites, scorer, bag, sequences, lm_weight, scre
                 prior = lm(torch.tensor([sequence[:p]])).logits[0, -1].float().log_softmax(-1)[bag].double()
                 span = scorer.terms([hidden[s] for s in used], bases, used).sum(1) if screened else scorer.score(hidden, bases)
                 scores = span + lm_weight * prior
-            if sequence[p] not in bag or int((scores > scores[bag.index(sequence[p])]).sum()) > 0:
-                n = p
+            tie = 64 * torch.finfo(torch.float32).eps * float(scores.abs().max())
+            own = bag.index(sequence[p]) if sequence[p] in bag else None
+            rivals = scores if own is None else torch.cat([scores[:own], scores[own + 1 :]])
+            for kind, band in (("strict", -tie), ("lenient", tie)):
+                beaten = own is None or bool((rivals > scores[own] + band).any())
+                if beaten and n[kind] == len(sequence) - 1:
+                    n[kind] = p
+            if n["lenient"] < len(sequence) - 1:  # the strict length is at most the lenient one: both found
                 break
-        lengths.append(n)
-    return lengths
+        strict.append(n["strict"])
+        lenient.append(n["lenient"])
+    return strict, lenient
 
 
 @pytest.mark.parametrize("screen_sites,shortlist", [(0, 0), (1, 4), (1, 0)])
@@ -532,8 +541,8 @@ def test_verified_lengths_equal_a_whole_recompute_and_confirm_the_true_batch_fur
     found = {}
     for name, sequences in (("true", ids.tolist()), ("wrong", wrong)):
         found[name] = verified_lengths(pipe.target, sites, scorer, bag, sequences, 0.5, screen_sites, shortlist, 2)
-        assert found[name] == slow_verified_lengths(pipe.target, sites, scorer, bag, sequences, 0.5, screen_sites,
-                                                    shortlist, 2)
+        low, high = slow_verified_lengths(pipe.target, sites, scorer, bag, sequences, 0.5, screen_sites, shortlist, 2)
+        assert all(lo <= n <= hi for lo, n, hi in zip(low, found[name], high)), (low, found[name], high)
         cache = ExtensionCache(2**26)
         assert verified_lengths(pipe.target, sites, scorer, bag, sequences, 0.5, screen_sites, shortlist, 2,
                                 cache=cache) == found[name]
