@@ -705,3 +705,25 @@ def test_refine_proposals_records_each_sequence_against_its_best_matching_truth(
     # the label (last token) is never compared: a proposal differing only there is the same sequence
     assert proposals.proposal_record([1, 2, 3, 4, 0], [1, 2, 3, 4, 7], truth) == {
         "same": True, "first_diff": None, "first_wrong": None, "new_first_wrong": None}
+
+
+def test_extension_speed_times_both_attentions_whose_inputs_agree_and_leaves_the_model_eager():
+    from datamodules.targets import HFCausalLM
+    from exact.batched.sites import adapter_sites
+
+    module = load_benchmark("investigations.batched.extension_speed")
+    from datamodules.federated import FedSGDClient, LoRAClient, UpdatePipeline
+
+    target = HFCausalLM(architecture="llama", config=dict(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=97, max_position_embeddings=64), init_seed=0)
+    pipe = UpdatePipeline(target, client=LoRAClient(rank=4, target_modules=["q_proj", "v_proj"], seed=0,
+                                                    local=FedSGDClient("eval", 2)))
+    sites = adapter_sites(list(pipe.names))
+    prefixes = torch.randint(0, 97, (2, 3), generator=torch.Generator().manual_seed(0))
+    result = module.time_extensions(pipe.target, sites, prefixes, torch.arange(10), beam=2, screen_sites=1, repeats=2)
+    for mode in ("eager", "fused"):
+        assert 0 < result[mode]["screen_min"] <= result[mode]["screen_median"]
+        assert 0 < result[mode]["all_min"] <= result[mode]["all_median"]
+    assert result["agreement"]["largest_relative_difference"] < 1e-5
+    assert pipe.target.model.config._attn_implementation == "eager"

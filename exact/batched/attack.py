@@ -87,6 +87,11 @@ class BatchedOptions(OptionGroup):
         screen_sites: Every extension is first scored by this many sites alone (the forward pass stops there)...
         shortlist: ...and only this many per sequence run through every site (0 with either: every extension
             through every site).
+        first_site_shortlist: Before the screen, the extensions per sequence kept by the first site's term alone (plus
+            the prior and the prefix's score; 0: none, else more than `shortlist`). A RoPE model's first site reads
+            the token's normalised embedding whatever its position, so this cut runs no forward pass (a model whose
+            first site reads a position, GPT-2's, ignores it). The screen's forward passes are then a fixed count
+            per sequence instead of beam times the bag's size, which grows with B.
         screen_precision: The screen's forward pass in "float32" or "bfloat16" (a copy of the model with bfloat16
             weights, made once per update: `search.bfloat16_twin`; the full pass, which chooses, stays in the model's
             precision). The screen only shortlists: with the true prefixes given (auxiliary tail, B = 16) the
@@ -120,6 +125,7 @@ class BatchedOptions(OptionGroup):
     regrow: int | None = None
     screen_sites: int = 8
     shortlist: int = 64
+    first_site_shortlist: int = 128
     screen_precision: Literal["float32", "bfloat16"] = "float32"
     extension_cache_gib: float = 0.0
     second_opinion_above: float = 0.3
@@ -166,6 +172,9 @@ class BatchedOptions(OptionGroup):
             raise ValueError(f"refine_scorer={self.refine_scorer!r} must be search or hand_set")
         if self.screen_sites < 0 or self.shortlist < 0:
             raise ValueError(f"screen_sites={self.screen_sites} and shortlist={self.shortlist} must be >= 0")
+        if self.first_site_shortlist < 0 or 0 < self.first_site_shortlist <= self.shortlist:
+            raise ValueError(f"first_site_shortlist={self.first_site_shortlist} must be 0 (none) or more than "
+                             f"shortlist={self.shortlist} (the screen keeps that many of what it keeps)")
         if self.screen_precision not in SCREEN_PRECISIONS:
             raise ValueError(f"screen_precision={self.screen_precision!r} must be one of {', '.join(SCREEN_PRECISIONS)}")
         if not (math.isfinite(self.extension_cache_gib) and self.extension_cache_gib >= 0):
@@ -254,7 +263,8 @@ class BatchedLoRA:
     @property
     def _screen(self) -> dict:
         return {"screen_sites": self.options.screen_sites, "shortlist": self.options.shortlist,
-                "screen_precision": self.options.screen_precision, "screen_model": self._screen_model}
+                "screen_precision": self.options.screen_precision, "screen_model": self._screen_model,
+                "first_site_shortlist": self.options.first_site_shortlist}
 
     @property
     def _refinement(self) -> dict:
@@ -263,7 +273,8 @@ class BatchedLoRA:
         return {"beam": o.beam if o.refine_beam is None else o.refine_beam,
                 "screen_sites": o.screen_sites if o.refine_screen_sites is None else o.refine_screen_sites,
                 "shortlist": o.shortlist if o.refine_shortlist is None else o.refine_shortlist,
-                "screen_precision": o.screen_precision, "screen_model": self._screen_model}
+                "screen_precision": o.screen_precision, "screen_model": self._screen_model,
+                "first_site_shortlist": o.first_site_shortlist}
 
     @torch.no_grad()
     def attack(self, update: dict[str, Tensor], batch_size: int, length: int,

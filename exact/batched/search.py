@@ -19,7 +19,9 @@ re-simulates the sequences' gradients and fits the update. Plain PyTorch.
 from __future__ import annotations
 
 import copy
+import functools
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -173,6 +175,43 @@ def decoder(target: nn.Module) -> tuple[nn.Module, nn.Module, torch.device]:
     return lm, base, next(lm.parameters()).device
 
 
+@contextmanager
+def fused_attention(target: nn.Module):
+    """Within it, the global model's attention runs PyTorch's fused kernel (SDPA) where the model was built with the
+    eager one (the workbench builds its targets eager: `torch.func.vmap`, which simulates the clients' per-sequence
+    gradients, cannot batch the masked SDPA kernels). The search runs no gradient, and a search's forward passes
+    extend thousands of prefixes by one token each, where eager attention's copies of every key and value head cost
+    about a third of the time. The same inputs up to float rounding. A model that cannot switch is left as it is."""
+    lm = _eager_but_fusable(target)
+    if lm is not None:
+        lm.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        if lm is not None:
+            lm.set_attn_implementation("eager")
+
+
+def _eager_but_fusable(target: nn.Module) -> nn.Module | None:
+    """The causal LM of `target` if its attention is eager and may switch to SDPA, else None."""
+    lm = decoder(target)[0]
+    eager = getattr(getattr(lm, "config", None), "_attn_implementation", None) == "eager"
+    fusable = (hasattr(lm, "set_attn_implementation") and getattr(lm, "_supports_sdpa", False)
+               and lm._can_set_attn_implementation())
+    return lm if eager and fusable else None
+
+
+def _in_fused_attention(search):
+    """`search(target, ...)` run within `fused_attention(target)` (nested searches switch once)."""
+
+    @functools.wraps(search)
+    def run(target: nn.Module, *args, **kwargs):
+        with fused_attention(target):
+            return search(target, *args, **kwargs)
+
+    return run
+
+
 def _step(lm: nn.Module, tokens: Tensor, cache=None) -> tuple[Tensor, object]:
     """The next token's log-probabilities after each row of `tokens` (continuing `cache`, if given), and the
     cache. Only the last position's logits are computed: the vocabulary projection of every position would
@@ -229,11 +268,15 @@ def bfloat16_twin(target: nn.Module) -> nn.Module:
     """A copy of the global model whose parameters are bfloat16, for a screen (which only shortlists): on a CPU
     with bfloat16 instructions its matrix products run about twice as fast, and unlike autocast it casts no
     activation. Buffers stay as they are (RoPE's inverse frequencies rounded to bfloat16 would turn late
-    positions' angles). It holds the weights of the moment it is made: an attack makes it once, for its searches."""
+    positions' angles). It holds the weights of the moment it is made: an attack makes it once, for its searches.
+    Its attention is fused for good (`fused_attention`: it never runs a gradient)."""
     twin = copy.deepcopy(target)
     for parameter in twin.parameters():
         parameter.data = parameter.data.to(torch.bfloat16)
         parameter.requires_grad_(False)
+    lm = _eager_but_fusable(twin)
+    if lm is not None:
+        lm.set_attn_implementation("sdpa")
     return twin
 
 
@@ -330,6 +373,20 @@ class Prefixes:
 
 
 @torch.no_grad()
+def first_site_reads_tokens_alone(target: nn.Module, sites: list[Site], token: int, other: int) -> bool:
+    """Whether the first site's input is a function of the token alone, whatever its position and prefix: a Llama's
+    first layer reads the normalised embedding (RoPE turns queries and keys inside the attention); GPT-2's adds a
+    position's. Tried on `token` at positions 0, 1 and 2 after `other` (within float rounding)."""
+    lm, _, device = decoder(target)
+    alone = capture_site_inputs(target, sites, lambda: lm(torch.tensor([[token]], device=device)), upto=1)[0][0, 0]
+    later = capture_site_inputs(target, sites, lambda: lm(torch.tensor([[other, token, token]], device=device)),
+                                upto=1)[0][0, 1:]
+    scale = float(alone.abs().max()) or 1.0
+    return bool(torch.allclose(later, alone.expand_as(later), rtol=1e-5, atol=1e-6 * scale))
+
+
+@_in_fused_attention
+@torch.no_grad()
 def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag: list[int], batch_size: int,
                    length: int, lm_weight: float = 0.0, deflate: bool = True, beam: int = 1,
                    label_candidates: int = 1, labels: list[list[int]] | None = None,
@@ -337,7 +394,8 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
                    shortlist: int = 0, fixed: list[Tensor] | None = None,
                    screen_precision: str = "float32", cache: ExtensionCache | None = None,
                    screen_model: nn.Module | None = None,
-                   prefixes: list[list[int]] | None = None) -> tuple[list[list[int]], list[list[float]]]:
+                   prefixes: list[list[int]] | None = None,
+                   first_site_shortlist: int = 0) -> tuple[list[list[int]], list[list[float]]]:
     """B sequences of `length` tokens grown over the bag (each token usable any number of times), and each
     chosen token's margin over the runner-up (a confidence; the last token's is its LM log-probability
     margin). `labels`, if given, receives each sequence's `label_candidates` likeliest last tokens.
@@ -354,7 +412,10 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
     every extension at every site. `screen_precision` "bfloat16": the screen's forward pass runs in `screen_model`
     (`bfloat16_twin(target)`, made here if not given; the full pass, which chooses, stays in the model's precision).
     `cache`: extensions computed before (by this search or an earlier one of the same attack) are reused
-    (`ExtensionCache`).
+    (`ExtensionCache`). `first_site_shortlist` (with the screen): before it, the extensions are cut to this many per
+    sequence by the first site's term alone (plus the prior and the prefix's score), read from the token's own input
+    at position 0, so these need no forward pass; only where the first site reads the token alone
+    (`first_site_reads_tokens_alone`: a RoPE model's first layer), else ignored.
 
     `prefixes[i]` (with `others` only: sequences growing on their own), bag tokens sequence i starts with: they are
     kept as they are (one extension a position, no beam) and the search grows the sequence from there (a refinement
@@ -406,6 +467,8 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
     # Position 0: every sequence's first input is a bag token alone; no prefix, no prior.
     hidden = capture_site_inputs(target, sites, lambda: lm(candidates[:, None]))
     first = [h[:, 0] for h in hidden]
+    first_site_cut = (0 < first_site_shortlist and 0 < screen_sites < len(sites)
+                      and first_site_reads_tokens_alone(target, sites, bag[0], bag[-1]))
     chosen_rows: list[int] = []
     joint = scorer.known(None, fixed_known)  # growing jointly: each first token picked is known for the next
     for i in range(batch_size):
@@ -473,6 +536,21 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
         cumulative = torch.tensor([b[1] for b in flat], dtype=torch.float64, device=device)[rows]
         prior = lm_weight * run.logp[rows, tokens].double()
         if 0 < screen_sites < len(sites) and 0 < shortlist < max(len(b) for b in beams) * len(bag):
+            if first_site_cut:
+                bag_rows = torch.arange(len(bag), device=device).repeat(len(grown))
+                keep = []
+                for i in range(batch_size):
+                    if kept_as_is[i]:
+                        continue
+                    mine = (owner == i).nonzero()[:, 0]
+                    if mine.numel() > first_site_shortlist:
+                        early = scorer.terms([first[0][bag_rows[mine]]], bases_at_start(i), range(1))[:, 0]
+                        total = cumulative[mine] + prior[mine] + early
+                        mine = mine[total.topk(first_site_shortlist).indices.sort().values]
+                    keep.append(mine)
+                kept = torch.cat(keep) if keep else rows[:0]
+                rows, tokens, owner, cumulative, prior = (rows[kept], tokens[kept], owner[kept], cumulative[kept],
+                                                          prior[kept])
             screen = range(screen_sites)
             early_inputs = run.extend(rows, tokens, screen_sites, screen_precision, cache)
             keep = []
@@ -533,6 +611,7 @@ def _reorder(cache, rows: Tensor, dtype: torch.dtype | None = None):
     return copied
 
 
+@_in_fused_attention
 @torch.no_grad()
 def sequence_inputs(target: nn.Module, sites: list[Site], sequences: list[list[int]] | Tensor) -> list[Tensor]:
     """Every site's inputs at the sequences' input positions (all but the last token, a label only):
@@ -549,6 +628,7 @@ def others_inputs(inputs: list[Tensor]) -> list[list[Tensor]]:
     return [[torch.cat([h[:i], h[i + 1 :]]).reshape(-1, h.shape[-1]) for h in inputs] for i in range(batch)]
 
 
+@_in_fused_attention
 @torch.no_grad()
 def verified_lengths(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag: list[int],
                      sequences: list[list[int]], lm_weight: float = 0.0, screen_sites: int = 0, shortlist: int = 0,
@@ -615,11 +695,13 @@ def verified_lengths(target: nn.Module, sites: list[Site], scorer: SpanScorer, b
     return confirmed
 
 
+@_in_fused_attention
 @torch.no_grad()
 def refine_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag: list[int],
                      sequences: list[list[int]], lm_weight: float = 0.0, beam: int = 1, screen_sites: int = 0,
                      shortlist: int = 0, screen_precision: str = "float32", cache: ExtensionCache | None = None,
-                     screen_model: nn.Module | None = None, resume: bool = False) -> list[list[int]]:
+                     screen_model: nn.Module | None = None, resume: bool = False,
+                     first_site_shortlist: int = 0) -> list[list[int]]:
     """One pass of refinement: every sequence grown again with every other sequence's inputs (all their
     positions, as found so far) known. With the others right, the rows' unknown inputs are this sequence's
     own L - 1, fewer than a site's 2r rows at L <= 2r: the span test becomes a membership test. The B
@@ -627,7 +709,8 @@ def refine_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, b
 
     `resume`: each sequence keeps the prefix the screen confirms (`verified_lengths`, top-ranked tokens) and grows
     again from there; a sequence confirmed whole is not grown again. A pass from the start may trade a right prefix
-    for a wrong one when some of the others are wrong; a resumed pass spends its extensions after the prefix."""
+    for a wrong one when some of the others are wrong; a resumed pass spends its extensions after the prefix.
+    `first_site_shortlist`: as `grow_sequences` takes it (the confirmation of a resumed pass does not cut by it)."""
     if len(sequences) < 2:
         return [list(s) for s in sequences]
     inputs = sequence_inputs(target, sites, sequences)
@@ -645,13 +728,14 @@ def refine_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, b
     grown, _ = grow_sequences(target, sites, scorer, bag, len(chosen), len(sequences[0]), lm_weight, beam=beam,
                               others=[others[i] for i in chosen], screen_sites=screen_sites, shortlist=shortlist,
                               screen_precision=screen_precision, cache=cache, screen_model=screen_model,
-                              prefixes=prefixes)
+                              prefixes=prefixes, first_site_shortlist=first_site_shortlist)
     refined = [list(s) for s in sequences]
     for i, g in zip(chosen, grown):
         refined[i] = g[:-1] + [sequences[i][-1]]  # the last token stays the refit's to choose
     return refined
 
 
+@_in_fused_attention
 @torch.no_grad()
 def likeliest_labels(target: nn.Module, sequences: list[list[int]], count: int) -> list[list[int]]:
     """Each sequence's `count` likeliest last tokens under the global model, given all its other tokens."""

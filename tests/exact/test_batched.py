@@ -322,6 +322,45 @@ def test_the_prior_from_the_last_position_and_the_cached_extension_equal_full_re
         assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5)
 
 
+def test_searches_run_fused_attention_with_the_eager_inputs_and_leave_the_model_eager(monkeypatch):
+    from exact.batched import search
+    from exact.batched.search import Prefixes, bfloat16_twin, fused_attention
+
+    pipe = pipeline(1)
+    sites = adapter_sites(list(pipe.names))
+    lm = pipe.target.model
+    ids = torch.randint(0, VOCAB, (2, 4), generator=torch.Generator().manual_seed(10))
+    rows, tokens = torch.tensor([1, 0, 1]), torch.tensor([7, 8, 200])
+    assert lm.config._attn_implementation == "eager"
+    eager = Prefixes(pipe.target, sites, ids)
+    with fused_attention(pipe.target):
+        assert lm.config._attn_implementation == "sdpa"
+        fused = Prefixes(pipe.target, sites, ids)
+        with fused_attention(pipe.target):  # nested: switched once, restored by the outer one
+            pass
+        assert lm.config._attn_implementation == "sdpa"
+        fused_extended = fused.extend(rows, tokens)
+    assert lm.config._attn_implementation == "eager"
+    assert torch.allclose(fused.logp, eager.logp, atol=1e-5)
+    for got, want in zip(fused_extended, eager.extend(rows, tokens)):
+        assert torch.allclose(got, want, atol=1e-5)
+    with pytest.raises(RuntimeError, match="stop"), fused_attention(pipe.target):
+        raise RuntimeError("stop")
+    assert lm.config._attn_implementation == "eager"  # restored on failure too
+    # The searches run fused, and the model is eager again after them (the clients' vmap simulation needs it).
+    seen = []
+    original = search.capture_site_inputs
+    tiny = tiny_batch(3)
+    monkeypatch.setattr(search, "capture_site_inputs",
+                        lambda *a, **k: seen.append(tiny.pipe.target.model.config._attn_implementation)
+                        or original(*a, **k))
+    grow_sequences(tiny.pipe.target, tiny.sites, tiny.scorer, tiny.bag, 2, 5, beam=2)
+    assert seen and set(seen) == {"sdpa"} and tiny.pipe.target.model.config._attn_implementation == "eager"
+    tiny.pipe({"input_ids": tiny.ids[None]}, keep_update=True)  # the per-sequence simulation still runs
+    twin = bfloat16_twin(pipe.target)
+    assert twin.model.config._attn_implementation == "sdpa" and lm.config._attn_implementation == "eager"
+
+
 def test_a_bfloat16_extension_is_close_to_the_float32_one_and_the_full_extension_stops_at_the_last_site():
     from exact.batched.search import Prefixes, bfloat16_twin
 
@@ -375,6 +414,71 @@ def test_a_screened_search_whose_shortlist_holds_every_extension_is_the_full_sea
     assert low == full
     with pytest.raises(ValueError, match="screen_precision='float16' must be one of float32, bfloat16"):
         grow_sequences(pipe.target, sites, scorer, bag, 2, 5, screen_precision="float16")
+
+
+def test_the_first_site_reads_a_llama_token_alone_and_a_gpt2_token_with_its_position():
+    from exact.batched.search import first_site_reads_tokens_alone
+
+    tiny = tiny_batch(4)
+    assert first_site_reads_tokens_alone(tiny.pipe.target, tiny.sites, tiny.bag[0], tiny.bag[-1])
+    gpt2 = HFCausalLM(architecture="gpt2", config=dict(n_embd=32, n_layer=2, n_head=2, n_positions=16, vocab_size=16,
+                                                       bos_token_id=0, eos_token_id=0), init_seed=0)
+    gpt2.eval()
+    from exact.batched.sites import Site
+
+    first_mlp = Site(("model.transformer.h.0.mlp.c_fc",), ("model.transformer.h.0.mlp.c_fc.weight",), True)
+    assert not first_site_reads_tokens_alone(gpt2, [first_mlp], 3, 5)
+
+
+def test_the_first_site_cut_keeps_the_extensions_its_term_ranks_first_by_inputs_run_through_the_model(monkeypatch):
+    """The cut's reference at the first extended position: every extension run whole through the model for its first
+    site's input, scored against the deflation by every sequence's first input, plus the prior."""
+    from exact.batched.search import Prefixes
+
+    tiny = tiny_batch(5, batch=2, length=5)
+    cut, lm_weight = 4, 0.5
+    assert len(tiny.bag) > cut + 1
+    screened: list[tuple[torch.Tensor, torch.Tensor]] = []
+    extend = Prefixes.extend
+
+    def spy(self, rows, tokens, upto=None, *args, **kwargs):
+        if upto == 1:
+            screened.append((self.tokens[rows].clone(), tokens.clone()))
+        return extend(self, rows, tokens, upto, *args, **kwargs)
+
+    monkeypatch.setattr(Prefixes, "extend", spy)
+    kwargs = dict(lm_weight=lm_weight, beam=2, screen_sites=1, shortlist=2)
+    sequences, _ = grow_sequences(tiny.pipe.target, tiny.sites, tiny.scorer, tiny.bag, 2, 5, first_site_shortlist=cut,
+                                  **kwargs)
+    assert all(len(s) == 5 for s in sequences)
+    prefixes, tokens = screened[0]  # position 1: each sequence's one prefix, extended by its `cut` best tokens
+    assert prefixes.shape == (2 * cut, 1)
+    lm = tiny.pipe.target.model
+    firsts = prefixes[:: cut]  # (2, 1) the two sequences' first tokens
+    known = capture_site_inputs(tiny.pipe.target, tiny.sites, lambda: lm(firsts))
+    bases = tiny.scorer.deflate(tiny.scorer.known([h.reshape(-1, h.shape[-1]) for h in known]))
+    for i in range(2):
+        whole = torch.cat([firsts[i].repeat(len(tiny.bag), 1), torch.tensor(tiny.bag)[:, None]], dim=1)
+        site_input = capture_site_inputs(tiny.pipe.target, tiny.sites, lambda whole=whole: lm(whole), upto=1)[0][:, -1]
+        prior = lm(firsts[i : i + 1]).logits[0, -1].float().log_softmax(-1)[torch.tensor(tiny.bag)].double()
+        total = tiny.scorer.terms([site_input], bases, range(1))[:, 0] + lm_weight * prior
+        want = {tiny.bag[k] for k in total.topk(cut).indices.tolist()}
+        assert set(tokens[i * cut : (i + 1) * cut].tolist()) == want
+        assert torch.equal(prefixes[i * cut : (i + 1) * cut], firsts[i].repeat(cut, 1))
+    # A cut that keeps every extension is no cut.
+    screened.clear()
+    whole_search, _ = grow_sequences(tiny.pipe.target, tiny.sites, tiny.scorer, tiny.bag, 2, 5, **kwargs)
+    uncut, _ = grow_sequences(tiny.pipe.target, tiny.sites, tiny.scorer, tiny.bag, 2, 5,
+                              first_site_shortlist=2 * len(tiny.bag), **kwargs)
+    assert uncut == whole_search
+
+
+def test_the_first_site_cut_must_exceed_the_shortlist():
+    from exact.batched import BatchedOptions
+
+    with pytest.raises(ValueError, match="first_site_shortlist=64 must be 0"):
+        BatchedOptions(first_site_shortlist=64)
+    assert BatchedOptions(first_site_shortlist=128).first_site_shortlist == 128
 
 
 def test_site_weights_weigh_the_terms_and_a_wrong_count_is_refused():
@@ -655,9 +759,9 @@ def test_refinement_takes_its_own_beam_and_shortlist(monkeypatch):
     seen = []
 
     def recorded(target, sites, scorer, bag, sequences, lm_weight=0.0, beam=1, screen_sites=0, shortlist=0,
-                 screen_precision="float32", cache=None, screen_model=None, resume=False):
+                 screen_precision="float32", cache=None, screen_model=None, resume=False, first_site_shortlist=0):
         assert cache is None and not resume  # the extension cache and resumed passes are off by default
-        seen.append((beam, screen_sites, shortlist, screen_precision))
+        seen.append((beam, screen_sites, shortlist, screen_precision, first_site_shortlist))
         models.append(screen_model)
         return [list(s) for s in sequences]
 
@@ -666,20 +770,23 @@ def test_refinement_takes_its_own_beam_and_shortlist(monkeypatch):
     original = attack_module.grow_sequences
 
     def search_recorded(*args, **kwargs):
-        searched.append(kwargs["screen_precision"])
+        searched.append((kwargs["screen_precision"], kwargs["first_site_shortlist"]))
         models.append(kwargs["screen_model"])
         return original(*args, **kwargs)
 
     monkeypatch.setattr(attack_module, "grow_sequences", search_recorded)
-    for options, want in [(dict(), (3, 1, 7, "float32")), (dict(refine_beam=1, refine_shortlist=2), (1, 1, 2, "float32")),
-                          (dict(screen_precision="bfloat16"), (3, 1, 7, "bfloat16")),
-                          (dict(refine_screen_sites=2), (3, 2, 7, "float32"))]:
+    for options, want in [(dict(), (3, 1, 7, "float32", 128)),
+                          (dict(refine_beam=1, refine_shortlist=2), (1, 1, 2, "float32", 128)),
+                          (dict(screen_precision="bfloat16"), (3, 1, 7, "bfloat16", 128)),
+                          (dict(refine_screen_sites=2), (3, 2, 7, "float32", 128)),
+                          (dict(first_site_shortlist=9), (3, 1, 7, "float32", 9)),
+                          (dict(first_site_shortlist=0), (3, 1, 7, "float32", 0))]:
         seen.clear()
         models = []
         attack = BatchedLoRA(pipe.target, list(pipe.names), whitening, BatchedOptions(
             refine=1, beam=3, screen_sites=1, shortlist=7, label_candidates=1, **options))
         attack.attack(update, 2, 5)
-        assert seen == [want] and searched == [want[3]]  # the search screens in the same precision
+        assert seen == [want] and searched == [want[3:]]  # the search screens in the same precision, the same cut
         # A bfloat16 screen's model is made once per update, shared by the search and refinement, then let go.
         assert len(models) == 2 and models[0] is models[1] and attack._screen_model is None
         assert (models[0] is None) == (want[3] == "float32")

@@ -252,6 +252,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="sites that screen every extension (0: no screening)")
     parser.add_argument("--shortlist", type=int, default=BatchedOptions.shortlist,
                         help="extensions per sequence scored by every site after the screen")
+    parser.add_argument("--first-site-shortlist", type=int, default=BatchedOptions.first_site_shortlist,
+                        help="extensions per sequence the first site alone keeps before the screen (0: none)")
     parser.add_argument("--screen-precision", default=BatchedOptions.screen_precision, choices=SCREEN_PRECISIONS,
                         help="the screen's forward pass precision (bfloat16: a copy of the model with bfloat16 weights)")
     parser.add_argument("--extension-cache-gib", type=float, default=BatchedOptions.extension_cache_gib,
@@ -284,6 +286,7 @@ def main(argv: list[str] | None = None) -> None:
                              refine_resume=args.refine_resume,
                              regrow=args.regrow,
                              screen_sites=args.screen_sites, shortlist=args.shortlist,
+                             first_site_shortlist=args.first_site_shortlist,
                              screen_precision=args.screen_precision, extension_cache_gib=args.extension_cache_gib,
                              second_opinion_above=args.second_opinion_above)
 
@@ -316,6 +319,7 @@ def main(argv: list[str] | None = None) -> None:
                        "refine_resume": options.refine_resume,
                        "regrow": options.regrow_attempts(batch) if args.label_candidates > 0 else 0,
                        "screen_sites": args.screen_sites, "shortlist": args.shortlist,
+                       "first_site_shortlist": args.first_site_shortlist,
                        "screen_precision": args.screen_precision, "extension_cache_gib": args.extension_cache_gib,
                        "scorer": args.scorer, "scorer_batch_sizes": list(weights.batch_sizes) if weights else None,
                        "second_opinion_batch_sizes": list(other.batch_sizes) if other else None,
