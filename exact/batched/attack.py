@@ -88,7 +88,8 @@ class BatchedOptions(OptionGroup):
         shortlist: ...and only this many per sequence run through every site (0 with either: every extension
             through every site).
         first_site_shortlist: Before the screen, the extensions per sequence kept by the first site's term alone (plus
-            the prior and the prefix's score; 0: none, else more than `shortlist`). A RoPE model's first site reads
+            the prior and the prefix's score; None: twice the shortlist, refinement's own where it has one, so 128 by
+            default; 0: none; else more than the shortlists). A RoPE model's first site reads
             the token's normalised embedding whatever its position, so this cut runs no forward pass (a model whose
             first site reads a position, GPT-2's, ignores it). The screen's forward passes are then a fixed count
             per sequence instead of beam times the bag's size, which grows with B.
@@ -125,7 +126,7 @@ class BatchedOptions(OptionGroup):
     regrow: int | None = None
     screen_sites: int = 8
     shortlist: int = 64
-    first_site_shortlist: int = 128
+    first_site_shortlist: int | None = None
     screen_precision: Literal["float32", "bfloat16"] = "float32"
     extension_cache_gib: float = 0.0
     second_opinion_above: float = 0.3
@@ -133,6 +134,10 @@ class BatchedOptions(OptionGroup):
     def pick_budget(self, batch_size: int, length: int) -> int:
         """Bag recovery's largest number of picks for B sequences of `length` tokens."""
         return pick_budget(batch_size, length, self.picks_per_sequence)
+
+    def first_site_cut(self, shortlist: int) -> int:
+        """The first-site cut before a screen keeping `shortlist` (the search's or refinement's)."""
+        return 2 * shortlist if self.first_site_shortlist is None else self.first_site_shortlist
 
     def refine_passes(self, batch_size: int, *, checked: bool) -> int:
         """Refinement passes at most for B sequences (none for one); `checked`: with the server's simulation, which
@@ -172,9 +177,11 @@ class BatchedOptions(OptionGroup):
             raise ValueError(f"refine_scorer={self.refine_scorer!r} must be search or hand_set")
         if self.screen_sites < 0 or self.shortlist < 0:
             raise ValueError(f"screen_sites={self.screen_sites} and shortlist={self.shortlist} must be >= 0")
-        if self.first_site_shortlist < 0 or 0 < self.first_site_shortlist <= self.shortlist:
-            raise ValueError(f"first_site_shortlist={self.first_site_shortlist} must be 0 (none) or more than "
-                             f"shortlist={self.shortlist} (the screen keeps that many of what it keeps)")
+        widest = max(self.shortlist, self.refine_shortlist or 0)
+        cut = self.first_site_shortlist
+        if cut is not None and (cut < 0 or 0 < cut <= widest):
+            raise ValueError(f"first_site_shortlist={cut} must be 0 (none), null (twice the shortlist) or more than the "
+                             f"shortlists ({widest}: the screen keeps that many of what the cut keeps)")
         if self.screen_precision not in SCREEN_PRECISIONS:
             raise ValueError(f"screen_precision={self.screen_precision!r} must be one of {', '.join(SCREEN_PRECISIONS)}")
         if not (math.isfinite(self.extension_cache_gib) and self.extension_cache_gib >= 0):
@@ -264,17 +271,17 @@ class BatchedLoRA:
     def _screen(self) -> dict:
         return {"screen_sites": self.options.screen_sites, "shortlist": self.options.shortlist,
                 "screen_precision": self.options.screen_precision, "screen_model": self._screen_model,
-                "first_site_shortlist": self.options.first_site_shortlist}
+                "first_site_shortlist": self.options.first_site_cut(self.options.shortlist)}
 
     @property
     def _refinement(self) -> dict:
         """The beam and screen of refinement passes."""
         o = self.options
+        shortlist = o.shortlist if o.refine_shortlist is None else o.refine_shortlist
         return {"beam": o.beam if o.refine_beam is None else o.refine_beam,
                 "screen_sites": o.screen_sites if o.refine_screen_sites is None else o.refine_screen_sites,
-                "shortlist": o.shortlist if o.refine_shortlist is None else o.refine_shortlist,
-                "screen_precision": o.screen_precision, "screen_model": self._screen_model,
-                "first_site_shortlist": o.first_site_shortlist}
+                "shortlist": shortlist, "screen_precision": o.screen_precision, "screen_model": self._screen_model,
+                "first_site_shortlist": o.first_site_cut(shortlist)}
 
     @torch.no_grad()
     def attack(self, update: dict[str, Tensor], batch_size: int, length: int,

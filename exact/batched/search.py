@@ -179,9 +179,10 @@ def decoder(target: nn.Module) -> tuple[nn.Module, nn.Module, torch.device]:
 def fused_attention(target: nn.Module):
     """Within it, the global model's attention runs PyTorch's fused kernel (SDPA) where the model was built with the
     eager one (the workbench builds its targets eager: `torch.func.vmap`, which simulates the clients' per-sequence
-    gradients, cannot batch the masked SDPA kernels). The search runs no gradient, and a search's forward passes
-    extend thousands of prefixes by one token each, where eager attention's copies of every key and value head cost
-    about a third of the time. The same inputs up to float rounding. A model that cannot switch is left as it is."""
+    gradients, cannot batch the masked SDPA kernels). A search runs no gradient, and its forward passes extend
+    thousands of prefixes by one token each (`benchmarks.investigations.batched.extension_speed` times both; the
+    difference was within the CPU's run-to-run spread). The same inputs up to float rounding. A model that cannot
+    switch is left as it is."""
     lm = _eager_but_fusable(target)
     if lm is not None:
         lm.set_attn_implementation("sdpa")
@@ -197,7 +198,7 @@ def _eager_but_fusable(target: nn.Module) -> nn.Module | None:
     lm = decoder(target)[0]
     eager = getattr(getattr(lm, "config", None), "_attn_implementation", None) == "eager"
     fusable = (hasattr(lm, "set_attn_implementation") and getattr(lm, "_supports_sdpa", False)
-               and lm._can_set_attn_implementation())
+               and getattr(lm, "_can_set_attn_implementation", lambda: False)())
     return lm if eager and fusable else None
 
 
@@ -538,32 +539,18 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
         if 0 < screen_sites < len(sites) and 0 < shortlist < max(len(b) for b in beams) * len(bag):
             if first_site_cut:
                 bag_rows = torch.arange(len(bag), device=device).repeat(len(grown))
-                keep = []
-                for i in range(batch_size):
-                    if kept_as_is[i]:
-                        continue
-                    mine = (owner == i).nonzero()[:, 0]
-                    if mine.numel() > first_site_shortlist:
-                        early = scorer.terms([first[0][bag_rows[mine]]], bases_at_start(i), range(1))[:, 0]
-                        total = cumulative[mine] + prior[mine] + early
-                        mine = mine[total.topk(first_site_shortlist).indices.sort().values]
-                    keep.append(mine)
-                kept = torch.cat(keep) if keep else rows[:0]
+                kept = _best_of_each(owner, kept_as_is, first_site_shortlist, lambda i, mine: (
+                    cumulative[mine] + prior[mine]
+                    + scorer.terms([first[0][bag_rows[mine]]], bases_at_start(i), range(1))[:, 0]), in_order=True)
                 rows, tokens, owner, cumulative, prior = (rows[kept], tokens[kept], owner[kept], cumulative[kept],
                                                           prior[kept])
             screen = range(screen_sites)
             early_inputs = run.extend(rows, tokens, screen_sites, screen_precision, cache)
-            keep = []
-            for i in range(batch_size):
-                if kept_as_is[i]:
-                    continue
-                mine = (owner == i).nonzero()[:, 0]
-                # The screen weighs its sites alike whatever the scorer's weights: it is there to keep the true
-                # extension (a learned scorer may lean on later sites and leave the first ones little weight).
-                early = scorer.terms([h[mine] for h in early_inputs], bases_at_start(i), screen).sum(1)
-                total = cumulative[mine] + prior[mine] + early
-                keep.append(mine[total.topk(min(shortlist, mine.numel())).indices])
-            kept = torch.cat(keep) if keep else rows[:0]
+            # The screen weighs its sites alike whatever the scorer's weights: it is there to keep the true
+            # extension (a learned scorer may lean on later sites and leave the first ones little weight).
+            kept = _best_of_each(owner, kept_as_is, shortlist, lambda i, mine: (
+                cumulative[mine] + prior[mine]
+                + scorer.terms([h[mine] for h in early_inputs], bases_at_start(i), screen).sum(1)))
             rows, tokens, owner, cumulative, prior = rows[kept], tokens[kept], owner[kept], cumulative[kept], prior[kept]
         inputs = run.extend(rows, tokens, cache=cache)
         sources: list[int] = []  # the next position's prefixes: their rows in `run` and their new tokens
@@ -596,6 +583,23 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
             margins[i].append(float(total[keep_i[0]] - total[keep_i[-1]]) if len(keep_i) > 1 else 0.0)
         run = run.advance(torch.tensor(sources, device=device), torch.tensor(chosen, device=device))
     return sequences, margins
+
+
+def _best_of_each(owner: Tensor, skip: list[bool], count: int, score, in_order: bool = False) -> Tensor:
+    """The rows of the extensions' batch to keep: each sequence i's `count` best by `score(i, mine)` (its rows `mine`,
+    scored (len(mine),)), sequence by sequence, best first (`in_order`: in the batch's order); none of a sequence
+    `skip`ped."""
+    keep = []
+    for i in range(len(skip)):
+        if skip[i]:
+            continue
+        mine = (owner == i).nonzero()[:, 0]
+        if in_order and mine.numel() <= count:
+            keep.append(mine)
+            continue
+        best = score(i, mine).topk(min(count, mine.numel())).indices
+        keep.append(mine[best.sort().values if in_order else best])
+    return torch.cat(keep) if keep else owner[:0]
 
 
 def _reorder(cache, rows: Tensor, dtype: torch.dtype | None = None):

@@ -426,8 +426,9 @@ def test_the_first_site_reads_a_llama_token_alone_and_a_gpt2_token_with_its_posi
     gpt2.eval()
     from exact.batched.sites import Site
 
-    first_mlp = Site(("model.transformer.h.0.mlp.c_fc",), ("model.transformer.h.0.mlp.c_fc.weight",), True)
-    assert not first_site_reads_tokens_alone(gpt2, [first_mlp], 3, 5)
+    # GPT-2's first attention reads ln_1(token + position embedding): the same token at another position differs
+    first_attention = Site(("model.transformer.h.0.attn.c_attn",), ("model.transformer.h.0.attn.c_attn.weight",), True)
+    assert not first_site_reads_tokens_alone(gpt2, [first_attention], 3, 5)
 
 
 def test_the_first_site_cut_keeps_the_extensions_its_term_ranks_first_by_inputs_run_through_the_model(monkeypatch):
@@ -465,6 +466,8 @@ def test_the_first_site_cut_keeps_the_extensions_its_term_ranks_first_by_inputs_
         want = {tiny.bag[k] for k in total.topk(cut).indices.tolist()}
         assert set(tokens[i * cut : (i + 1) * cut].tolist()) == want
         assert torch.equal(prefixes[i * cut : (i + 1) * cut], firsts[i].repeat(cut, 1))
+    # At every position each sequence's screen gets the cut's count (beam x bag extensions are more than it).
+    assert len(screened) == 3 and all(t.numel() == 2 * cut for _, t in screened)
     # A cut that keeps every extension is no cut.
     screened.clear()
     whole_search, _ = grow_sequences(tiny.pipe.target, tiny.sites, tiny.scorer, tiny.bag, 2, 5, **kwargs)
@@ -476,9 +479,13 @@ def test_the_first_site_cut_keeps_the_extensions_its_term_ranks_first_by_inputs_
 def test_the_first_site_cut_must_exceed_the_shortlist():
     from exact.batched import BatchedOptions
 
-    with pytest.raises(ValueError, match="first_site_shortlist=64 must be 0"):
-        BatchedOptions(first_site_shortlist=64)
-    assert BatchedOptions(first_site_shortlist=128).first_site_shortlist == 128
+    for cut, options in ((64, {}), (-1, {}), (100, dict(refine_shortlist=100))):
+        with pytest.raises(ValueError, match=f"first_site_shortlist={cut} must be 0"):
+            BatchedOptions(first_site_shortlist=cut, **options)
+    assert BatchedOptions(first_site_shortlist=128).first_site_cut(64) == 128
+    assert BatchedOptions(first_site_shortlist=0).first_site_cut(64) == 0
+    # The default follows the shortlist, so a wider shortlist is no error.
+    assert BatchedOptions(shortlist=200).first_site_cut(200) == 400 and BatchedOptions().first_site_cut(64) == 128
 
 
 def test_site_weights_weigh_the_terms_and_a_wrong_count_is_refused():
@@ -775,18 +782,20 @@ def test_refinement_takes_its_own_beam_and_shortlist(monkeypatch):
         return original(*args, **kwargs)
 
     monkeypatch.setattr(attack_module, "grow_sequences", search_recorded)
-    for options, want in [(dict(), (3, 1, 7, "float32", 128)),
-                          (dict(refine_beam=1, refine_shortlist=2), (1, 1, 2, "float32", 128)),
-                          (dict(screen_precision="bfloat16"), (3, 1, 7, "bfloat16", 128)),
-                          (dict(refine_screen_sites=2), (3, 2, 7, "float32", 128)),
-                          (dict(first_site_shortlist=9), (3, 1, 7, "float32", 9)),
-                          (dict(first_site_shortlist=0), (3, 1, 7, "float32", 0))]:
+    # want: refinement's (beam, screen sites, shortlist, precision, first-site cut), then the search's cut (by default
+    # twice each one's shortlist)
+    for options, want, search_cut in [(dict(), (3, 1, 7, "float32", 14), 14),
+                                      (dict(refine_beam=1, refine_shortlist=2), (1, 1, 2, "float32", 4), 14),
+                                      (dict(screen_precision="bfloat16"), (3, 1, 7, "bfloat16", 14), 14),
+                                      (dict(refine_screen_sites=2), (3, 2, 7, "float32", 14), 14),
+                                      (dict(first_site_shortlist=9), (3, 1, 7, "float32", 9), 9),
+                                      (dict(first_site_shortlist=0), (3, 1, 7, "float32", 0), 0)]:
         seen.clear()
         models = []
         attack = BatchedLoRA(pipe.target, list(pipe.names), whitening, BatchedOptions(
             refine=1, beam=3, screen_sites=1, shortlist=7, label_candidates=1, **options))
         attack.attack(update, 2, 5)
-        assert seen == [want] and searched == [want[3:]]  # the search screens in the same precision, the same cut
+        assert seen == [want] and searched == [(want[3], search_cut)]  # the search screens in the same precision
         # A bfloat16 screen's model is made once per update, shared by the search and refinement, then let go.
         assert len(models) == 2 and models[0] is models[1] and attack._screen_model is None
         assert (models[0] is None) == (want[3] == "float32")

@@ -6,16 +6,20 @@ screen's first sites, then a shortlist through every site. Here one update's tru
 `--position` (each repeated `--beam` times, as a beam's rows) are extended by every bag token (the update's
 distinct input tokens) through `--screen-sites` sites and through every site, `--repeats` times in each attention,
 alternating (so a machine's drift falls on both), and the minimum and median seconds are printed with the
-extensions' count. The extensions' inputs are checked to agree between the two attentions. The auxiliary tail.
+extensions' count, one JSON line. The extensions' inputs are checked to agree between the two attentions. The
+auxiliary tail.
 
-    python -m benchmarks.investigations.batched.extension_speed --batch-size 4 --position 8
+    python -m benchmarks.investigations.batched.extension_speed --batch-size 4 --position 8 \
+        >> docs/results/audit/batched/auxiliary_tail/extension_speed.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from contextlib import nullcontext
 
 import torch
 from torch import Tensor, nn
@@ -36,7 +40,7 @@ def time_extensions(target: nn.Module, sites: list, prefixes: Tensor, tokens: Te
     inputs: dict[str, list[Tensor]] = {}
     for _ in range(repeats):
         for mode in ("eager", "fused"):
-            with fused_attention(target) if mode == "fused" else _nothing():
+            with fused_attention(target) if mode == "fused" else nullcontext():
                 run = Prefixes(target, sites, run_ids)
                 began = time.perf_counter()
                 run.extend(rows, extended_by, screen_sites)
@@ -45,20 +49,12 @@ def time_extensions(target: nn.Module, sites: list, prefixes: Tensor, tokens: Te
                 inputs[mode] = run.extend(rows, extended_by)
                 seconds[mode]["all"].append(time.perf_counter() - began)
     out: dict[str, dict[str, float]] = {
-        mode: {f"{part}_{stat}": round(fn(values), 3) for part, values in parts.items()
+        mode: {f"{part}_{stat}": round(fn(values), 6) for part, values in parts.items()
                for stat, fn in (("min", min), ("median", statistics.median))}
         for mode, parts in seconds.items()}
     out["agreement"] = {"largest_relative_difference": max(
         float((a - b).norm() / b.norm().clamp_min(1e-30)) for a, b in zip(inputs["fused"], inputs["eager"]))}
     return out
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -81,8 +77,9 @@ def main(argv: list[str] | None = None) -> None:
     result = time_extensions(bench.target, bench.sites, ids[:, : args.position], tokens, args.beam,
                              args.screen_sites, args.repeats)
     extensions = args.batch_size * args.beam * tokens.numel()
-    print({"B": args.batch_size, "position": args.position, "beam": args.beam, "bag": tokens.numel(),
-           "extensions": extensions, "screen_sites": args.screen_sites, "threads": torch.get_num_threads(), **result})
+    print(json.dumps({"B": args.batch_size, "update": args.update, "position": args.position, "beam": args.beam,
+                      "bag": tokens.numel(), "extensions": extensions, "screen_sites": args.screen_sites,
+                      "threads": torch.get_num_threads(), **result}))
 
 
 if __name__ == "__main__":

@@ -253,7 +253,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shortlist", type=int, default=BatchedOptions.shortlist,
                         help="extensions per sequence scored by every site after the screen")
     parser.add_argument("--first-site-shortlist", type=int, default=BatchedOptions.first_site_shortlist,
-                        help="extensions per sequence the first site alone keeps before the screen (0: none)")
+                        help="extensions per sequence the first site alone keeps before the screen (default: twice "
+                             "the shortlist; 0: none)")
     parser.add_argument("--screen-precision", default=BatchedOptions.screen_precision, choices=SCREEN_PRECISIONS,
                         help="the screen's forward pass precision (bfloat16: a copy of the model with bfloat16 weights)")
     parser.add_argument("--extension-cache-gib", type=float, default=BatchedOptions.extension_cache_gib,
@@ -319,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
                        "refine_resume": options.refine_resume,
                        "regrow": options.regrow_attempts(batch) if args.label_candidates > 0 else 0,
                        "screen_sites": args.screen_sites, "shortlist": args.shortlist,
-                       "first_site_shortlist": args.first_site_shortlist,
+                       "first_site_shortlist": options.first_site_cut(args.shortlist),
                        "screen_precision": args.screen_precision, "extension_cache_gib": args.extension_cache_gib,
                        "scorer": args.scorer, "scorer_batch_sizes": list(weights.batch_sizes) if weights else None,
                        "second_opinion_batch_sizes": list(other.batch_sizes) if other else None,
