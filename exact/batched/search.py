@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import weakref
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from datamodules.float_noise import same_up_to_float_noise
 from datamodules.targets.hf import cache_keyword
 from exact.batched.sites import Site, capture_site_inputs
 
@@ -183,9 +185,7 @@ def fused_attention(target: nn.Module):
     thousands of prefixes by one token each (`benchmarks.investigations.batched.extension_speed` times both; the
     difference was within the CPU's run-to-run spread). The same inputs up to float rounding. A model that cannot
     switch is left as it is."""
-    lm = _eager_but_fusable(target)
-    if lm is not None:
-        lm.set_attn_implementation("sdpa")
+    lm = _fuse(target)
     try:
         yield
     finally:
@@ -193,13 +193,16 @@ def fused_attention(target: nn.Module):
             lm.set_attn_implementation("eager")
 
 
-def _eager_but_fusable(target: nn.Module) -> nn.Module | None:
-    """The causal LM of `target` if its attention is eager and may switch to SDPA, else None."""
+def _fuse(target: nn.Module) -> nn.Module | None:
+    """Switch the causal LM of `target` to SDPA if its attention is eager and may switch; the LM switched, else None."""
     lm = decoder(target)[0]
     eager = getattr(getattr(lm, "config", None), "_attn_implementation", None) == "eager"
     fusable = (hasattr(lm, "set_attn_implementation") and getattr(lm, "_supports_sdpa", False)
                and getattr(lm, "_can_set_attn_implementation", lambda: False)())
-    return lm if eager and fusable else None
+    if not (eager and fusable):
+        return None
+    lm.set_attn_implementation("sdpa")
+    return lm
 
 
 def _in_fused_attention(search):
@@ -275,10 +278,44 @@ def bfloat16_twin(target: nn.Module) -> nn.Module:
     for parameter in twin.parameters():
         parameter.data = parameter.data.to(torch.bfloat16)
         parameter.requires_grad_(False)
-    lm = _eager_but_fusable(twin)
-    if lm is not None:
-        lm.set_attn_implementation("sdpa")
+    _fuse(twin)
     return twin
+
+
+@dataclass
+class _LayerEntry:
+    """The residual stream entering decoder layer `layer` at the extensions' position, (K, d), and the layer's other
+    arguments (position embeddings, mask, ...), as a screen's forward pass gave them."""
+
+    layer: int
+    hidden: Tensor
+    arguments: dict
+
+    def select(self, kept: Tensor) -> _LayerEntry:
+        return _LayerEntry(self.layer, self.hidden[kept], self.arguments)
+
+
+@dataclass
+class Screened:
+    """Extensions run through their first sites (`Prefixes.screen`): those sites' inputs (K, d) each, and the state
+    `Prefixes.complete` resumes the rest from (None: it runs them whole)."""
+
+    inputs: list[Tensor]
+    entry: _LayerEntry | None
+
+
+def _site_layers(target: nn.Module, base: nn.Module, sites: list[Site]) -> list[int] | None:
+    """The index in `base.layers` of the decoder layer holding each site's module, if the decoder has `layers` and
+    the sites run in their order; else None (no resuming from a layer)."""
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        return None
+    layer_of = {id(module): j for j, layer in enumerate(layers) for module in layer.modules()}
+    modules = dict(target.named_modules())
+    found = [layer_of.get(id(modules.get(site.modules[0]))) for site in sites]
+    if any(j is None for j in found) or found != sorted(found):
+        return None
+    return found
 
 
 class Prefixes:
@@ -295,6 +332,7 @@ class Prefixes:
     def __init__(self, target: nn.Module, sites: list[Site], ids: Tensor, screen_model: nn.Module | None = None) -> None:
         self.target, self.sites, self.screen_model = target, sites, screen_model
         lm, self.base, _ = decoder(target)
+        self.site_layers = _site_layers(target, self.base, sites)
         stepped: list = []
         self.inputs = capture_site_inputs(target, sites, lambda: stepped.append(_step(lm, ids)))
         self.logp, self.cache = stepped[0]
@@ -310,6 +348,7 @@ class Prefixes:
         new = capture_site_inputs(self.target, self.sites, lambda: stepped.append(_step(lm, tokens[:, None], expanded)))
         out = Prefixes.__new__(Prefixes)
         out.target, out.sites, out.base, out.screen_model = self.target, self.sites, self.base, self.screen_model
+        out.site_layers = self.site_layers
         out.logp, out.cache = stepped[0]
         out.inputs = [torch.cat([old[rows], h.to(old)], dim=1) for old, h in zip(self.inputs, new)]
         out.length = self.length + 1
@@ -353,37 +392,117 @@ class Prefixes:
         together = torch.stack(found)  # (K, sites, d)
         return [together[:, site] for site in range(sites)]
 
-    def _extend(self, rows: Tensor, tokens: Tensor, sites: int, precision: str) -> list[Tensor]:
-        """`extend` without a cache: every extension through the model (its first `sites` sites), in chunks."""
+    def screen(self, rows: Tensor, tokens: Tensor, upto: int, precision: str = "float32",
+               cache: ExtensionCache | None = None) -> Screened:
+        """`extend(rows, tokens, upto, precision, cache)`, keeping what `complete` resumes from where it can: the
+        residual stream entering the decoder layer of the last site run, with that layer's arguments. It can for a
+        decoder of `layers` whose sites run in layer order (a Llama's), in the model's own precision and without an
+        extension cache; else the state is None and `complete` runs the kept extensions whole."""
+        sites = min(upto, len(self.sites))
+        layer = self.site_layers[sites - 1] if self.site_layers is not None and sites < len(self.sites) else None
+        if layer is None or precision != "float32" or cache is not None or rows.numel() == 0:
+            return Screened(self.extend(rows, tokens, upto, precision, cache), None)
+        state: list[tuple[Tensor, dict]] = []
+        inputs = self._extend(rows, tokens, sites, precision, entering=(layer, state))
+        hidden = torch.cat([h for h, _ in state])
+        arguments = state[0][1]
+        # A layer's arguments besides its input are the same for every extension (one new position after prefixes
+        # of one length) unless a mask holds a row per extension: then each chunk's own would be needed.
+        mask = arguments.get("attention_mask")
+        if mask is not None and (not torch.is_tensor(mask) or mask.shape[0] != 1):
+            return Screened(inputs, None)
+        return Screened(inputs, _LayerEntry(layer, hidden, arguments))
+
+    def complete(self, screened: Screened, kept: Tensor, rows: Tensor, tokens: Tensor,
+                 cache: ExtensionCache | None = None) -> list[Tensor]:
+        """Every site's inputs (K', d) of the extensions `rows[kept]`, `tokens[kept]` that `screened` (this run's
+        `screen` of `rows`, `tokens`) ran through its first sites: the screened sites' inputs as the screen found
+        them, the others resumed from the screen's state, so the kept extensions' first layers are not run again (the
+        same inputs as `extend` up to float rounding: tested). Without a state, `extend` of the kept extensions."""
+        if screened.entry is None:
+            return self.extend(rows[kept], tokens[kept], cache=cache)
+        done = len(screened.inputs)
+        if kept.numel() == 0:
+            return [h[:0] for h in screened.inputs] + [screened.inputs[0][:0]] * (len(self.sites) - done)
+        rest = self._resume(rows[kept], screened.entry.select(kept), done)
+        return [h[kept] for h in screened.inputs] + rest
+
+    def _extend(self, rows: Tensor, tokens: Tensor, sites: int, precision: str,
+                entering: tuple[int, list] | None = None) -> list[Tensor]:
+        """`extend` without a cache: every extension through the model (its first `sites` sites), in chunks.
+        `entering` (layer, list): each chunk's last position of the residual stream entering that decoder layer,
+        and the layer's other arguments, appended to the list (for `screen`)."""
         if rows.numel() == 0:
             return [self.inputs[0].new_zeros(0, self.inputs[0].shape[-1]) for _ in range(sites)]
         chunk = max(1, self.CHUNK_TOKENS // self.length)
         dtype = self.inputs[0].dtype
         model, low = (self.screen_model, torch.bfloat16) if precision == "bfloat16" else (self.target, None)
         base = self.base if low is None else decoder(model)[1]
+        handle = None
+        if entering is not None:
+            layer, state = entering
+
+            def keep(module, args, kwargs):
+                hidden = args[0] if args else kwargs["hidden_states"]
+                arguments = {k: v for k, v in kwargs.items() if k not in ("hidden_states", "cache", "past_key_values")}
+                state.append((hidden[:, -1].detach(), arguments))
+
+            handle = base.layers[layer].register_forward_pre_hook(keep, with_kwargs=True)
+        parts = []
+        try:
+            for start in range(0, rows.numel(), chunk):
+                expanded = _reorder(self.cache, rows[start : start + chunk], low)
+                part = tokens[start : start + chunk, None]
+                captured = capture_site_inputs(
+                    model, self.sites, lambda part=part, expanded=expanded: base(
+                        input_ids=part, use_cache=True, **{cache_keyword(base): expanded}),
+                    upto=sites)
+                parts.append([h[:, -1].to(dtype) for h in captured])
+        finally:
+            if handle is not None:
+                handle.remove()
+        return [torch.cat(columns) for columns in zip(*parts)]
+
+    def _resume(self, rows: Tensor, entry: _LayerEntry, first: int) -> list[Tensor]:
+        """Sites `first`.. inputs (K, d each) of prefix `rows[k]` extended by the token whose residual stream entering
+        decoder layer `entry.layer` is `entry.hidden[k]`: that layer and the later ones run from a copy of the
+        prefixes' cache (those layers' keys and values of the prefix are all they read), in chunks."""
+        wanted = self.sites[first:]
+        layers = self.base.layers[entry.layer : self.site_layers[-1] + 1]
+        chunk = max(1, self.CHUNK_TOKENS // self.length)
         parts = []
         for start in range(0, rows.numel(), chunk):
-            expanded = _reorder(self.cache, rows[start : start + chunk], low)
-            part = tokens[start : start + chunk, None]
-            captured = capture_site_inputs(
-                model, self.sites, lambda part=part, expanded=expanded: base(
-                    input_ids=part, use_cache=True, **{cache_keyword(base): expanded}),
-                upto=sites)
-            parts.append([h[:, -1].to(dtype) for h in captured])
+            expanded = _reorder(self.cache, rows[start : start + chunk])
+            hidden = entry.hidden[start : start + chunk, None]
+
+            def run(hidden=hidden, expanded=expanded):
+                for layer in layers:
+                    hidden = layer(hidden, **{cache_keyword(layer): expanded}, **entry.arguments)
+
+            captured = capture_site_inputs(self.target, wanted, run, upto=len(wanted))
+            parts.append([h[:, -1] for h in captured])
         return [torch.cat(columns) for columns in zip(*parts)]
+
+
+#: `first_site_reads_tokens_alone`'s answers per model and first site: a question of architecture, tried once.
+_FIRST_SITE_ALONE: weakref.WeakKeyDictionary[nn.Module, dict[Site, bool]] = weakref.WeakKeyDictionary()
 
 
 @torch.no_grad()
 def first_site_reads_tokens_alone(target: nn.Module, sites: list[Site], token: int, other: int) -> bool:
     """Whether the first site's input is a function of the token alone, whatever its position and prefix: a Llama's
     first layer reads the normalised embedding (RoPE turns queries and keys inside the attention); GPT-2's adds a
-    position's. Tried on `token` at positions 0, 1 and 2 after `other` (within float rounding)."""
-    lm, _, device = decoder(target)
-    alone = capture_site_inputs(target, sites, lambda: lm(torch.tensor([[token]], device=device)), upto=1)[0][0, 0]
-    later = capture_site_inputs(target, sites, lambda: lm(torch.tensor([[other, token, token]], device=device)),
-                                upto=1)[0][0, 1:]
-    scale = float(alone.abs().max()) or 1.0
-    return bool(torch.allclose(later, alone.expand_as(later), rtol=1e-5, atol=1e-6 * scale))
+    position's. Tried on `token` at positions 0, 1 and 2 after `other` (equal up to float32 noise), once per model
+    and first site: the answer is the architecture's, so later calls (every search) reuse it."""
+    answers = _FIRST_SITE_ALONE.setdefault(target, {})
+    if sites[0] not in answers:
+        lm, _, device = decoder(target)
+        alone = capture_site_inputs(target, sites, lambda: lm(torch.tensor([[token]], device=device)), upto=1)[0][0, 0]
+        later = capture_site_inputs(target, sites, lambda: lm(torch.tensor([[other, token, token]], device=device)),
+                                    upto=1)[0][0, 1:]
+        # The input is one normalisation of one embedding row: a sum over the width per value.
+        answers[sites[0]] = same_up_to_float_noise(later, alone.expand_as(later), terms=alone.numel())
+    return answers[sites[0]]
 
 
 @_in_fused_attention
@@ -545,14 +664,18 @@ def grow_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, bag
                 rows, tokens, owner, cumulative, prior = (rows[kept], tokens[kept], owner[kept], cumulative[kept],
                                                           prior[kept])
             screen = range(screen_sites)
-            early_inputs = run.extend(rows, tokens, screen_sites, screen_precision, cache)
+            screened = run.screen(rows, tokens, screen_sites, screen_precision, cache)
+            early_inputs = screened.inputs
             # The screen weighs its sites alike whatever the scorer's weights: it is there to keep the true
             # extension (a learned scorer may lean on later sites and leave the first ones little weight).
             kept = _best_of_each(owner, kept_as_is, shortlist, lambda i, mine: (
                 cumulative[mine] + prior[mine]
                 + scorer.terms([h[mine] for h in early_inputs], bases_at_start(i), screen).sum(1)))
+            # The kept extensions' later sites resume from where the screen stopped.
+            inputs = run.complete(screened, kept, rows, tokens, cache)
             rows, tokens, owner, cumulative, prior = rows[kept], tokens[kept], owner[kept], cumulative[kept], prior[kept]
-        inputs = run.extend(rows, tokens, cache=cache)
+        else:
+            inputs = run.extend(rows, tokens, cache=cache)
         sources: list[int] = []  # the next position's prefixes: their rows in `run` and their new tokens
         chosen: list[int] = []
         known = at_start(0)[0] if others is None else None

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from datamodules.federated import FedSGDClient, LoRAClient, UpdatePipeline
+from datamodules.float_noise import same_up_to_float_noise
 from datamodules.targets import HFCausalLM
 from exact.batched.bag import brute_force_support, somp
 from exact.batched.search import SpanScorer, grow_sequences
@@ -18,10 +19,10 @@ from exact.batched.whitening import SiteWhitening, inverse_sqrt, vocabulary_inpu
 VOCAB = 211
 
 
-def pipeline(batch: int, seed: int = 0) -> UpdatePipeline:
+def pipeline(batch: int, seed: int = 0, layers: int = 2) -> UpdatePipeline:
     torch.manual_seed(seed)
     target = HFCausalLM(architecture="llama", config=dict(
-        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=layers, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=VOCAB, max_position_embeddings=64), init_seed=seed)
     client = LoRAClient(rank=8, target_modules=["q_proj", "v_proj"], seed=0, init_b_std=0.02,
                         local=FedSGDClient("eval", batch))
@@ -276,7 +277,6 @@ def test_the_least_squares_refit_picks_the_true_label_and_certifies_the_true_bat
     chosen, rows = refit_labels(flat, simulate, wrong, labels)
     assert chosen == ids.tolist()
     # The simulated updates it returns are those of the sequences it returns (a recompute).
-    from datamodules.float_noise import same_up_to_float_noise
 
     assert same_up_to_float_noise(rows, simulate(chosen).double(), terms=5 * 64, dim=1)  # L positions x width
 
@@ -341,9 +341,12 @@ def test_searches_run_fused_attention_with_the_eager_inputs_and_leave_the_model_
         assert lm.config._attn_implementation == "sdpa"
         fused_extended = fused.extend(rows, tokens)
     assert lm.config._attn_implementation == "eager"
-    assert torch.allclose(fused.logp, eager.logp, atol=1e-5)
+    # Another attention kernel sums the same products in another order: equal up to float32 noise of sums over
+    # the prefix's positions and the width, per row (a log-probability or a site input each).
+    terms = ids.shape[1] * lm.config.hidden_size
+    assert same_up_to_float_noise(fused.logp, eager.logp, terms=terms, dim=-1)
     for got, want in zip(fused_extended, eager.extend(rows, tokens)):
-        assert torch.allclose(got, want, atol=1e-5)
+        assert same_up_to_float_noise(got, want, terms=terms, dim=-1)
     with pytest.raises(RuntimeError, match="stop"), fused_attention(pipe.target):
         raise RuntimeError("stop")
     assert lm.config._attn_implementation == "eager"  # restored on failure too
@@ -359,6 +362,79 @@ def test_searches_run_fused_attention_with_the_eager_inputs_and_leave_the_model_
     tiny.pipe({"input_ids": tiny.ids[None]}, keep_update=True)  # the per-sequence simulation still runs
     twin = bfloat16_twin(pipe.target)
     assert twin.model.config._attn_implementation == "sdpa" and lm.config._attn_implementation == "eager"
+
+
+def test_the_screened_extensions_resume_from_the_screen_with_the_inputs_of_whole_runs(monkeypatch):
+    """`Prefixes.complete` runs only the layers after the screen's for the kept extensions; its inputs equal every
+    kept extension run whole (`extend`), at a screen ending in the first, a middle and the last but one layer."""
+    from exact.batched import search
+    from exact.batched.search import ExtensionCache, Prefixes, bfloat16_twin, decoder, fused_attention
+
+    pipe = pipeline(1, layers=4)
+    sites = adapter_sites(list(pipe.names))
+    ids = torch.randint(0, VOCAB, (3, 4), generator=torch.Generator().manual_seed(10))
+    rows, tokens = torch.tensor([1, 0, 1, 2, 2, 0]), torch.tensor([7, 8, 200, 3, 4, 8])
+    kept = torch.tensor([4, 0, 2, 2])  # out of order, one twice
+    terms = ids.shape[1] * 64  # sums over the prefix's positions and the width
+    ran_layers = []
+    with fused_attention(pipe.target):
+        run = Prefixes(pipe.target, sites, ids)
+        assert run.site_layers == [0, 1, 2, 3]
+        want = run.extend(rows[kept], tokens[kept])
+        for upto in (1, 2, 3):
+            screened = run.screen(rows, tokens, upto)
+            assert screened.entry is not None and screened.entry.layer == upto - 1
+            for got, reference in zip(screened.inputs, run.extend(rows, tokens, upto)):
+                assert torch.equal(got, reference)
+            layers = decoder(pipe.target)[1].layers
+            handles = [layer.register_forward_pre_hook(lambda *_, j=j: ran_layers.append(j))
+                       for j, layer in enumerate(layers)]
+            try:
+                got = run.complete(screened, kept, rows, tokens)
+            finally:
+                for handle in handles:
+                    handle.remove()
+            # Only the screen's last layer (where it stopped) and those after it ran again.
+            assert sorted(set(ran_layers)) == list(range(upto - 1, 4))
+            ran_layers.clear()
+            assert len(got) == len(sites)
+            for g, w in zip(got, want):
+                assert same_up_to_float_noise(g, w, terms=terms, dim=-1)
+        # Nothing kept: empty inputs at every site.
+        assert [g.shape for g in run.complete(run.screen(rows, tokens, 2), kept[:0], rows, tokens)] == [(0, 64)] * 4
+        # No state to resume from: a bfloat16 screen, an extension cache, a screen of every site; then whole runs.
+        twin_run = Prefixes(pipe.target, sites, ids, bfloat16_twin(pipe.target))
+        for screened in (twin_run.screen(rows, tokens, 2, "bfloat16"),
+                         run.screen(rows, tokens, 2, cache=ExtensionCache(1 << 20)), run.screen(rows, tokens, 4)):
+            assert screened.entry is None
+        for g, w in zip(run.complete(run.screen(rows, tokens, 2, cache=ExtensionCache(1 << 20)), kept, rows, tokens),
+                        want):
+            assert same_up_to_float_noise(g, w, terms=terms, dim=-1)
+    # Eager attention hands each layer a mask with a row per extension: not resumed, run whole.
+    assert Prefixes(pipe.target, sites, ids).screen(rows, tokens, 2).entry is None
+    # A search resuming chooses what the same search running every kept extension whole chooses.
+    tiny = tiny_batch(6, batch=2, length=6)
+    kwargs = dict(lm_weight=0.5, beam=2, screen_sites=1, shortlist=3)
+    resumed, _ = grow_sequences(tiny.pipe.target, tiny.sites, tiny.scorer, tiny.bag, 2, 6, **kwargs)
+    monkeypatch.setattr(search, "_site_layers", lambda *_: None)
+    assert Prefixes(tiny.pipe.target, tiny.sites, tiny.ids[:, :2]).site_layers is None
+    whole, _ = grow_sequences(tiny.pipe.target, tiny.sites, tiny.scorer, tiny.bag, 2, 6, **kwargs)
+    assert resumed == whole
+
+
+def test_gpt2_sites_have_no_decoder_layers_to_resume_from():
+    from exact.batched.search import _site_layers, decoder
+    from exact.batched.sites import Site
+
+    gpt2 = HFCausalLM(architecture="gpt2", config=dict(n_embd=32, n_layer=2, n_head=2, n_positions=16, vocab_size=16,
+                                                       bos_token_id=0, eos_token_id=0), init_seed=0)
+    site = Site(("model.transformer.h.0.attn.c_attn",), ("model.transformer.h.0.attn.c_attn.weight",), True)
+    assert _site_layers(gpt2, decoder(gpt2)[1], [site]) is None
+    # Sites out of the layers' order are not resumed either.
+    pipe = pipeline(1)
+    sites = adapter_sites(list(pipe.names))
+    base = decoder(pipe.target)[1]
+    assert _site_layers(pipe.target, base, sites) == [0, 1] and _site_layers(pipe.target, base, sites[::-1]) is None
 
 
 def test_a_bfloat16_extension_is_close_to_the_float32_one_and_the_full_extension_stops_at_the_last_site():
@@ -431,6 +507,25 @@ def test_the_first_site_reads_a_llama_token_alone_and_a_gpt2_token_with_its_posi
     assert not first_site_reads_tokens_alone(gpt2, [first_attention], 3, 5)
 
 
+def test_the_first_site_premise_is_tried_once_per_model_and_first_site(monkeypatch):
+    from exact.batched import search
+
+    tiny = tiny_batch(4)
+    runs = []
+    original = search.capture_site_inputs
+    monkeypatch.setattr(search, "capture_site_inputs", lambda *a, **k: runs.append(1) or original(*a, **k))
+    assert search.first_site_reads_tokens_alone(tiny.pipe.target, tiny.sites, tiny.bag[0], tiny.bag[-1])
+    tried = len(runs)
+    assert tried == 2
+    # Every later search asks again: answered from the first trial, the model not run.
+    assert search.first_site_reads_tokens_alone(tiny.pipe.target, tiny.sites, tiny.bag[1], tiny.bag[0])
+    assert len(runs) == tried
+    # Another model (or another first site) is tried on its own.
+    other = tiny_batch(3)
+    assert search.first_site_reads_tokens_alone(other.pipe.target, other.sites, other.bag[0], other.bag[-1])
+    assert len(runs) == 2 * tried
+
+
 def test_the_first_site_cut_keeps_the_extensions_its_term_ranks_first_by_inputs_run_through_the_model(monkeypatch):
     """The cut's reference at the first extended position: every extension run whole through the model for its first
     site's input, scored against the deflation by every sequence's first input, plus the prior."""
@@ -440,14 +535,13 @@ def test_the_first_site_cut_keeps_the_extensions_its_term_ranks_first_by_inputs_
     cut, lm_weight = 4, 0.5
     assert len(tiny.bag) > cut + 1
     screened: list[tuple[torch.Tensor, torch.Tensor]] = []
-    extend = Prefixes.extend
+    screen = Prefixes.screen
 
-    def spy(self, rows, tokens, upto=None, *args, **kwargs):
-        if upto == 1:
-            screened.append((self.tokens[rows].clone(), tokens.clone()))
-        return extend(self, rows, tokens, upto, *args, **kwargs)
+    def spy(self, rows, tokens, upto, *args, **kwargs):
+        screened.append((self.tokens[rows].clone(), tokens.clone()))
+        return screen(self, rows, tokens, upto, *args, **kwargs)
 
-    monkeypatch.setattr(Prefixes, "extend", spy)
+    monkeypatch.setattr(Prefixes, "screen", spy)
     kwargs = dict(lm_weight=lm_weight, beam=2, screen_sites=1, shortlist=2)
     sequences, _ = grow_sequences(tiny.pipe.target, tiny.sites, tiny.scorer, tiny.bag, 2, 5, first_site_shortlist=cut,
                                   **kwargs)
