@@ -360,7 +360,7 @@ class BatchedLoRA:
         for attempt in range(attempts + 1):
             kept_per_pass += self._refine(state, refining, bag, refine_lm, passes, simulate, clock, trace, cache)
             clock.lap("refine")
-            if attempt == attempts:
+            if attempt == attempts or state.certified:
                 break
             doubtful, kept = self._regrow(state, scorer, bag, length, lm_weight, simulate, cache)
             regrown.append((doubtful, kept))
@@ -390,6 +390,8 @@ class BatchedLoRA:
         kept_per_pass: list[int] = []
         resume = self.options.refine_resume
         for _ in range(passes):
+            if state.certified:  # the update is explained to float32 noise: no sequence can lower the residual
+                break
             refined = refine_sequences(self.target, self.sites, scorer, bag, state.sequences, lm_weight,
                                        cache=cache, resume=resume, **self._refinement)
             refined_labels = likeliest_labels(self.target, refined, self.options.label_candidates)
@@ -442,6 +444,11 @@ class _Refit:
                  flat: Tensor | None) -> None:
         self.sequences, self.labels, self.current, self.flat = sequences, labels, current, flat
         self.residual = least_squares_check(flat, current)[0] if current is not None else None
+
+    @property
+    def certified(self) -> bool:
+        """Whether the refit explains the update to float32 noise (then nothing is searched further)."""
+        return self.residual is not None and self.residual < CERTIFY_RESIDUAL
 
     def replace(self, sequences: dict[int, list[int]], simulated: Tensor, labels: dict[int, list[int]]) -> bool:
         """Sequences `sequences` {index: tokens} (their simulated updates the rows of `simulated`, in order) put in

@@ -639,6 +639,28 @@ def test_a_refinement_pass_is_kept_only_when_it_lowers_the_refit_residual(monkey
     assert result.kept_per_pass[-1] == 0 and len(result.kept_per_pass) == len(calls)
 
 
+def test_a_certified_batch_is_searched_no_further(monkeypatch):
+    import exact.batched.attack as attack_module
+    from exact.batched import BatchedLoRA, BatchedOptions
+
+    pipe, ids, update, flat, simulate, sites, whitening = checked_batch_of(4, 21)
+    truth = ids.tolist()
+    refined = []
+    monkeypatch.setattr(attack_module, "grow_sequences", lambda *a, **k: (
+        [list(s) for s in truth], [[0.0] * 5 for _ in truth]))
+    monkeypatch.setattr(attack_module, "refine_sequences", lambda *a, **k: refined.append(1) or a[4])
+    attack = BatchedLoRA(pipe.target, list(pipe.names), whitening,
+                         BatchedOptions(label_candidates=1, beam=2, refine=3, regrow=2))
+    result = attack.attack(update, 4, 5, simulate, flat)
+    # The search found the batch, last tokens included: the refit certifies it, so no pass and no regrowth run.
+    assert result.certified and result.sequences == truth
+    assert refined == [] and result.kept_per_pass == [] and result.regrown == []
+    # One wrong last token (a label): not certified, so the passes run.
+    truth[0][-1] = (truth[0][-1] + 1) % VOCAB
+    result = attack.attack(update, 4, 5, simulate, flat)
+    assert not result.certified and refined and result.kept_per_pass
+
+
 def test_refinement_regrows_a_wrong_sequence_against_the_others_inputs():
     from exact.batched.search import refine_sequences
 
