@@ -43,6 +43,11 @@ from exact.option_group import OptionGroup
 CERTIFY_RESIDUAL = 1e-3
 
 
+def certifies(residual: float | None) -> bool:
+    """Whether a refit residual (None: no refit) certifies the batch."""
+    return residual is not None and residual < CERTIFY_RESIDUAL
+
+
 @dataclass(frozen=True)
 class BatchedOptions(OptionGroup):
     """The batched LoRA attack (bag recovery and the all-site span search).
@@ -58,7 +63,8 @@ class BatchedOptions(OptionGroup):
             server's simulation (the audit), a refined sequence is kept only if it lowers the refit residual, and the
             first pass that keeps none ends them, so the cap only bounds the time: a larger batch has more wrong
             sequences to repair a few at a time (on an auxiliary B = 8 update the passes kept sequences up to the
-            tenth, 44% after four, 90% after ten). Without it every pass is kept, so the cap is what runs.
+            tenth, 44% after four, 90% after ten). Without it every pass is kept, so the cap is what runs. A batch
+            the refit certifies (its last tokens the LM's guesses) is refined and regrown no further.
         regrow: Attempts at most, after refinement (with the server's simulation, B >= 3; None: B / 4, at least 1):
             the sequences the refit explains least (half the batch, at least 2) grown again jointly with the
             others' inputs known, kept if the refit residual falls, then refined again; the first refused ends them.
@@ -218,7 +224,7 @@ class BatchedResult:
 
     @property
     def certified(self) -> bool:
-        return self.residual is not None and self.residual < CERTIFY_RESIDUAL
+        return certifies(self.residual)
 
 
 class BatchedLoRA:
@@ -390,7 +396,7 @@ class BatchedLoRA:
         kept_per_pass: list[int] = []
         resume = self.options.refine_resume
         for _ in range(passes):
-            if state.certified:  # the update is explained to float32 noise: no sequence can lower the residual
+            if state.certified:  # every input and label right: a regrown sequence could only raise the residual
                 break
             refined = refine_sequences(self.target, self.sites, scorer, bag, state.sequences, lm_weight,
                                        cache=cache, resume=resume, **self._refinement)
@@ -447,8 +453,9 @@ class _Refit:
 
     @property
     def certified(self) -> bool:
-        """Whether the refit explains the update to float32 noise (then nothing is searched further)."""
-        return self.residual is not None and self.residual < CERTIFY_RESIDUAL
+        """Whether the refit certifies the batch as it stands, its last tokens the LM's guesses until the final refit
+        picks them (then nothing is searched further: every input and label is right)."""
+        return certifies(self.residual)
 
     def replace(self, sequences: dict[int, list[int]], simulated: Tensor, labels: dict[int, list[int]]) -> bool:
         """Sequences `sequences` {index: tokens} (their simulated updates the rows of `simulated`, in order) put in

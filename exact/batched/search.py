@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from transformers.cache_utils import Cache
 
 from datamodules.float_noise import same_up_to_float_noise
 from datamodules.targets.hf import cache_keyword
@@ -283,7 +284,7 @@ def bfloat16_twin(target: nn.Module) -> nn.Module:
 
 
 @dataclass
-class _LayerEntry:
+class _LayerInput:
     """The residual stream entering decoder layer `layer` at the extensions' position, (K, d), and the layer's other
     arguments (position embeddings, mask, ...), as a screen's forward pass gave them."""
 
@@ -291,8 +292,8 @@ class _LayerEntry:
     hidden: Tensor
     arguments: dict
 
-    def select(self, kept: Tensor) -> _LayerEntry:
-        return _LayerEntry(self.layer, self.hidden[kept], self.arguments)
+    def select(self, kept: Tensor) -> _LayerInput:
+        return _LayerInput(self.layer, self.hidden[kept], self.arguments)
 
 
 @dataclass
@@ -301,7 +302,25 @@ class Screened:
     `Prefixes.complete` resumes the rest from (None: it runs them whole)."""
 
     inputs: list[Tensor]
-    entry: _LayerEntry | None
+    resume_from: _LayerInput | None
+
+
+def _site_count(upto: int | None, sites: int) -> int:
+    """The sites a forward pass asked for `upto` sites (None: every site) runs through, at most `sites`."""
+    if upto is not None and upto < 1:
+        raise ValueError(f"upto={upto} must be >= 1 (or None: every site)")
+    return sites if upto is None else min(upto, sites)
+
+
+def _tensor_leaves(value) -> list[Tensor]:
+    """The tensors inside `value` (a tensor, or dicts, lists and tuples of them)."""
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [leaf for item in value for leaf in _tensor_leaves(item)]
+    return []
 
 
 def _site_layers(target: nn.Module, base: nn.Module, sites: list[Site]) -> list[int] | None:
@@ -365,9 +384,7 @@ class Prefixes:
             raise ValueError(f"precision={precision!r} must be one of {', '.join(SCREEN_PRECISIONS)}")
         if precision == "bfloat16" and self.screen_model is None:
             raise ValueError("a bfloat16 extension needs the prefixes' screen_model (exact.batched.search.bfloat16_twin)")
-        sites = len(self.sites) if upto is None else min(upto, len(self.sites))
-        if sites < 1:
-            raise ValueError(f"upto={upto} must be >= 1 (or None: every site)")
+        sites = _site_count(upto, len(self.sites))
         if cache is None or rows.numel() == 0:
             return self._extend(rows, tokens, sites, precision)
         prefixes = [tuple(p) for p in self.tokens.tolist()]
@@ -395,23 +412,25 @@ class Prefixes:
     def screen(self, rows: Tensor, tokens: Tensor, upto: int, precision: str = "float32",
                cache: ExtensionCache | None = None) -> Screened:
         """`extend(rows, tokens, upto, precision, cache)`, keeping what `complete` resumes from where it can: the
-        residual stream entering the decoder layer of the last site run, with that layer's arguments. It can for a
-        decoder of `layers` whose sites run in layer order (a Llama's), in the model's own precision and without an
-        extension cache; else the state is None and `complete` runs the kept extensions whole."""
-        sites = min(upto, len(self.sites))
+        residual stream entering the decoder layer of the last site run, with that layer's other arguments. It can
+        for a decoder of `layers` whose sites run in layer order (a Llama's), in the model's own precision, without an
+        extension cache, when those arguments are the same for every extension; else the state is None and
+        `complete` runs the kept extensions whole."""
+        sites = _site_count(upto, len(self.sites))
         layer = self.site_layers[sites - 1] if self.site_layers is not None and sites < len(self.sites) else None
         if layer is None or precision != "float32" or cache is not None or rows.numel() == 0:
             return Screened(self.extend(rows, tokens, upto, precision, cache), None)
-        state: list[tuple[Tensor, dict]] = []
+        state: list[tuple[Tensor, dict] | None] = []
         inputs = self._extend(rows, tokens, sites, precision, entering=(layer, state))
-        hidden = torch.cat([h for h, _ in state])
-        arguments = state[0][1]
-        # A layer's arguments besides its input are the same for every extension (one new position after prefixes
-        # of one length) unless a mask holds a row per extension: then each chunk's own would be needed.
-        mask = arguments.get("attention_mask")
-        if mask is not None and (not torch.is_tensor(mask) or mask.shape[0] != 1):
+        if any(entry is None for entry in state):
             return Screened(inputs, None)
-        return Screened(inputs, _LayerEntry(layer, hidden, arguments))
+        # Only the first chunk's arguments are kept: one new position after prefixes of one length gives every
+        # extension the same position embeddings, and the fused attention no mask. Anything holding a row per
+        # extension (the eager attention's mask) would need each chunk's own: then no resuming.
+        arguments = state[0][1]
+        if any(leaf.ndim and leaf.shape[0] != 1 for leaf in _tensor_leaves(arguments)):
+            return Screened(inputs, None)
+        return Screened(inputs, _LayerInput(layer, torch.cat([h for h, _ in state]), arguments))
 
     def complete(self, screened: Screened, kept: Tensor, rows: Tensor, tokens: Tensor,
                  cache: ExtensionCache | None = None) -> list[Tensor]:
@@ -419,12 +438,14 @@ class Prefixes:
         `screen` of `rows`, `tokens`) ran through its first sites: the screened sites' inputs as the screen found
         them, the others resumed from the screen's state, so the kept extensions' first layers are not run again (the
         same inputs as `extend` up to float rounding: tested). Without a state, `extend` of the kept extensions."""
-        if screened.entry is None:
-            return self.extend(rows[kept], tokens[kept], cache=cache)
         done = len(screened.inputs)
+        if done == len(self.sites):
+            return [h[kept] for h in screened.inputs]
+        if screened.resume_from is None:
+            return self.extend(rows[kept], tokens[kept], cache=cache)
         if kept.numel() == 0:
             return [h[:0] for h in screened.inputs] + [screened.inputs[0][:0]] * (len(self.sites) - done)
-        rest = self._resume(rows[kept], screened.entry.select(kept), done)
+        rest = self._resume(rows[kept], screened.resume_from.select(kept), done)
         return [h[kept] for h in screened.inputs] + rest
 
     def _extend(self, rows: Tensor, tokens: Tensor, sites: int, precision: str,
@@ -443,8 +464,12 @@ class Prefixes:
             layer, state = entering
 
             def keep(module, args, kwargs):
+                if len(args) > 1:  # arguments by position besides the input: not resumed
+                    state.append(None)
+                    return
                 hidden = args[0] if args else kwargs["hidden_states"]
-                arguments = {k: v for k, v in kwargs.items() if k not in ("hidden_states", "cache", "past_key_values")}
+                # The cache (whatever its keyword) is the chunk's own: `_resume` hands the layers a copy of its own.
+                arguments = {k: v for k, v in kwargs.items() if k != "hidden_states" and not isinstance(v, Cache)}
                 state.append((hidden[:, -1].detach(), arguments))
 
             handle = base.layers[layer].register_forward_pre_hook(keep, with_kwargs=True)
@@ -463,10 +488,11 @@ class Prefixes:
                 handle.remove()
         return [torch.cat(columns) for columns in zip(*parts)]
 
-    def _resume(self, rows: Tensor, entry: _LayerEntry, first: int) -> list[Tensor]:
+    def _resume(self, rows: Tensor, entry: _LayerInput, first: int) -> list[Tensor]:
         """Sites `first`.. inputs (K, d each) of prefix `rows[k]` extended by the token whose residual stream entering
         decoder layer `entry.layer` is `entry.hidden[k]`: that layer and the later ones run from a copy of the
-        prefixes' cache (those layers' keys and values of the prefix are all they read), in chunks."""
+        prefixes' cache (those layers' keys and values of the prefix are all they read; the earlier layers' entries
+        of the copy stay the prefix's and are never read), in chunks."""
         wanted = self.sites[first:]
         layers = self.base.layers[entry.layer : self.site_layers[-1] + 1]
         chunk = max(1, self.CHUNK_TOKENS // self.length)
@@ -477,7 +503,8 @@ class Prefixes:
 
             def run(hidden=hidden, expanded=expanded):
                 for layer in layers:
-                    hidden = layer(hidden, **{cache_keyword(layer): expanded}, **entry.arguments)
+                    out = layer(hidden, **{cache_keyword(layer): expanded}, **entry.arguments)
+                    hidden = out[0] if isinstance(out, tuple) else out  # transformers 4 returns a tuple
 
             captured = capture_site_inputs(self.target, wanted, run, upto=len(wanted))
             parts.append([h[:, -1] for h in captured])

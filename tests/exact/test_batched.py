@@ -344,7 +344,9 @@ def test_searches_run_fused_attention_with_the_eager_inputs_and_leave_the_model_
     # Another attention kernel sums the same products in another order: equal up to float32 noise of sums over
     # the prefix's positions and the width, per row (a log-probability or a site input each).
     terms = ids.shape[1] * lm.config.hidden_size
-    assert same_up_to_float_noise(fused.logp, eager.logp, terms=terms, dim=-1)
+    # Log-probabilities centred per row: their common offset (log V) would set the scale, not their differences.
+    centred = [x - x.mean(-1, keepdim=True) for x in (fused.logp, eager.logp)]
+    assert same_up_to_float_noise(*centred, terms=terms, dim=-1)
     for got, want in zip(fused_extended, eager.extend(rows, tokens)):
         assert same_up_to_float_noise(got, want, terms=terms, dim=-1)
     with pytest.raises(RuntimeError, match="stop"), fused_attention(pipe.target):
@@ -383,7 +385,7 @@ def test_the_screened_extensions_resume_from_the_screen_with_the_inputs_of_whole
         want = run.extend(rows[kept], tokens[kept])
         for upto in (1, 2, 3):
             screened = run.screen(rows, tokens, upto)
-            assert screened.entry is not None and screened.entry.layer == upto - 1
+            assert screened.resume_from is not None and screened.resume_from.layer == upto - 1
             for got, reference in zip(screened.inputs, run.extend(rows, tokens, upto)):
                 assert torch.equal(got, reference)
             layers = decoder(pipe.target)[1].layers
@@ -406,16 +408,32 @@ def test_the_screened_extensions_resume_from_the_screen_with_the_inputs_of_whole
         twin_run = Prefixes(pipe.target, sites, ids, bfloat16_twin(pipe.target))
         for screened in (twin_run.screen(rows, tokens, 2, "bfloat16"),
                          run.screen(rows, tokens, 2, cache=ExtensionCache(1 << 20)), run.screen(rows, tokens, 4)):
-            assert screened.entry is None
+            assert screened.resume_from is None
         for g, w in zip(run.complete(run.screen(rows, tokens, 2, cache=ExtensionCache(1 << 20)), kept, rows, tokens),
                         want):
             assert same_up_to_float_noise(g, w, terms=terms, dim=-1)
+        # A screen of every site has every input already: none run again.
+        every = run.screen(rows, tokens, 4)
+        ran_layers.clear()
+        handles = [layer.register_forward_pre_hook(lambda *_: ran_layers.append(1)) for layer in layers]
+        try:
+            assert all(torch.equal(g, h[kept]) for g, h in zip(run.complete(every, kept, rows, tokens), every.inputs))
+        finally:
+            for handle in handles:
+                handle.remove()
+        assert ran_layers == []
+        with pytest.raises(ValueError, match="upto=0 must be >= 1"):
+            run.screen(rows, tokens, 0)
     # Eager attention hands each layer a mask with a row per extension: not resumed, run whole.
-    assert Prefixes(pipe.target, sites, ids).screen(rows, tokens, 2).entry is None
+    assert Prefixes(pipe.target, sites, ids).screen(rows, tokens, 2).resume_from is None
     # A search resuming chooses what the same search running every kept extension whole chooses.
     tiny = tiny_batch(6, batch=2, length=6)
     kwargs = dict(lm_weight=0.5, beam=2, screen_sites=1, shortlist=3)
+    resumes = []
+    resume = Prefixes._resume
+    monkeypatch.setattr(Prefixes, "_resume", lambda self, *a: resumes.append(1) or resume(self, *a))
     resumed, _ = grow_sequences(tiny.pipe.target, tiny.sites, tiny.scorer, tiny.bag, 2, 6, **kwargs)
+    assert resumes  # the search did resume (else the comparison below would compare whole runs with themselves)
     monkeypatch.setattr(search, "_site_layers", lambda *_: None)
     assert Prefixes(tiny.pipe.target, tiny.sites, tiny.ids[:, :2]).site_layers is None
     whole, _ = grow_sequences(tiny.pipe.target, tiny.sites, tiny.scorer, tiny.bag, 2, 6, **kwargs)
@@ -520,10 +538,21 @@ def test_the_first_site_premise_is_tried_once_per_model_and_first_site(monkeypat
     # Every later search asks again: answered from the first trial, the model not run.
     assert search.first_site_reads_tokens_alone(tiny.pipe.target, tiny.sites, tiny.bag[1], tiny.bag[0])
     assert len(runs) == tried
-    # Another model (or another first site) is tried on its own.
+    # Another model, or another first site of the same model, is tried on its own.
     other = tiny_batch(3)
     assert search.first_site_reads_tokens_alone(other.pipe.target, other.sites, other.bag[0], other.bag[-1])
     assert len(runs) == 2 * tried
+    # (The second layer reads the first one's attention over the prefix, so not the token alone.)
+    assert not search.first_site_reads_tokens_alone(tiny.pipe.target, tiny.sites[1:], tiny.bag[0], tiny.bag[-1])
+    assert len(runs) == 3 * tried
+    # A refusal is remembered too.
+    gpt2 = HFCausalLM(architecture="gpt2", config=dict(n_embd=32, n_layer=2, n_head=2, n_positions=16, vocab_size=16,
+                                                       bos_token_id=0, eos_token_id=0), init_seed=0)
+    first_attention = search.Site(("model.transformer.h.0.attn.c_attn",), ("model.transformer.h.0.attn.c_attn.weight",),
+                                  True)
+    assert not search.first_site_reads_tokens_alone(gpt2, [first_attention], 3, 5)
+    assert not search.first_site_reads_tokens_alone(gpt2, [first_attention], 4, 6)
+    assert len(runs) == 4 * tried
 
 
 def test_the_first_site_cut_keeps_the_extensions_its_term_ranks_first_by_inputs_run_through_the_model(monkeypatch):
@@ -648,7 +677,7 @@ def test_a_certified_batch_is_searched_no_further(monkeypatch):
     refined = []
     monkeypatch.setattr(attack_module, "grow_sequences", lambda *a, **k: (
         [list(s) for s in truth], [[0.0] * 5 for _ in truth]))
-    monkeypatch.setattr(attack_module, "refine_sequences", lambda *a, **k: refined.append(1) or a[4])
+    monkeypatch.setattr(attack_module, "refine_sequences", lambda *a, **k: refined.append(1) or [list(s) for s in a[4]])
     attack = BatchedLoRA(pipe.target, list(pipe.names), whitening,
                          BatchedOptions(label_candidates=1, beam=2, refine=3, regrow=2))
     result = attack.attack(update, 4, 5, simulate, flat)
