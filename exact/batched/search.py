@@ -455,7 +455,6 @@ class Prefixes:
         and the layer's other arguments, appended to the list (for `screen`)."""
         if rows.numel() == 0:
             return [self.inputs[0].new_zeros(0, self.inputs[0].shape[-1]) for _ in range(sites)]
-        chunk = max(1, self.CHUNK_TOKENS // self.length)
         dtype = self.inputs[0].dtype
         model, low = (self.screen_model, torch.bfloat16) if precision == "bfloat16" else (self.target, None)
         base = self.base if low is None else decoder(model)[1]
@@ -473,20 +472,18 @@ class Prefixes:
                 state.append((hidden[:, -1].detach(), arguments))
 
             handle = base.layers[layer].register_forward_pre_hook(keep, with_kwargs=True)
-        parts = []
+
+        def step(chunk: slice, expanded) -> list[Tensor]:
+            def run():
+                base(input_ids=tokens[chunk, None], use_cache=True, **{cache_keyword(base): expanded})
+
+            return [h[:, -1].to(dtype) for h in capture_site_inputs(model, self.sites, run, upto=sites)]
+
         try:
-            for start in range(0, rows.numel(), chunk):
-                expanded = _reorder(self.cache, rows[start : start + chunk], low)
-                part = tokens[start : start + chunk, None]
-                captured = capture_site_inputs(
-                    model, self.sites, lambda part=part, expanded=expanded: base(
-                        input_ids=part, use_cache=True, **{cache_keyword(base): expanded}),
-                    upto=sites)
-                parts.append([h[:, -1].to(dtype) for h in captured])
+            return self._in_chunks(rows, low, step)
         finally:
             if handle is not None:
                 handle.remove()
-        return [torch.cat(columns) for columns in zip(*parts)]
 
     def _resume(self, rows: Tensor, entry: _LayerInput, first: int) -> list[Tensor]:
         """Sites `first`.. inputs (K, d each) of prefix `rows[k]` extended by the token whose residual stream entering
@@ -495,19 +492,26 @@ class Prefixes:
         of the copy stay the prefix's and are never read), in chunks."""
         wanted = self.sites[first:]
         layers = self.base.layers[entry.layer : self.site_layers[-1] + 1]
-        chunk = max(1, self.CHUNK_TOKENS // self.length)
-        parts = []
-        for start in range(0, rows.numel(), chunk):
-            expanded = _reorder(self.cache, rows[start : start + chunk])
-            hidden = entry.hidden[start : start + chunk, None]
 
-            def run(hidden=hidden, expanded=expanded):
+        def step(chunk: slice, expanded) -> list[Tensor]:
+            def run():
+                hidden = entry.hidden[chunk, None]
                 for layer in layers:
                     out = layer(hidden, **{cache_keyword(layer): expanded}, **entry.arguments)
                     hidden = out[0] if isinstance(out, tuple) else out  # transformers 4 returns a tuple
 
-            captured = capture_site_inputs(self.target, wanted, run, upto=len(wanted))
-            parts.append([h[:, -1] for h in captured])
+            return [h[:, -1] for h in capture_site_inputs(self.target, wanted, run, upto=len(wanted))]
+
+        return self._in_chunks(rows, None, step)
+
+    def _in_chunks(self, rows: Tensor, dtype: torch.dtype | None, step) -> list[Tensor]:
+        """`step(chunk, cache)` (the chunk a slice of `rows`, the cache a copy of the prefixes' holding those rows, cast
+        to `dtype` if given) per chunk of `CHUNK_TOKENS` prefix tokens, its per-site (k, d) inputs concatenated."""
+        size = max(1, self.CHUNK_TOKENS // self.length)
+        parts = []
+        for start in range(0, rows.numel(), size):
+            chunk = slice(start, start + size)
+            parts.append(step(chunk, _reorder(self.cache, rows[chunk], dtype)))
         return [torch.cat(columns) for columns in zip(*parts)]
 
 
