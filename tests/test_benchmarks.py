@@ -727,3 +727,34 @@ def test_extension_speed_times_both_attentions_whose_inputs_agree_and_leaves_the
         assert 0 < result[mode]["all_min"] <= result[mode]["all_median"]
     assert result["agreement"]["largest_relative_difference"] < 1e-5
     assert pipe.target.model.config._attn_implementation == "eager"
+
+
+def test_lora_batch_dager_row_scores_dager_on_the_update_the_batched_attack_read():
+    """`lora_batch --dager`: the row's `dager` is DAGER's result on the same update, scored as the batched attack's
+    (the metrics called on DAGER's own sequences); a one-sequence tiny LoRA update's inputs are read whole (the last
+    token is a label only, which no span test sees)."""
+    import sys
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).parent / "exact"))
+    from test_batched import VOCAB, pipeline
+
+    from datamodules.metrics import score_batch
+    from datamodules.threat_model import ThreatModel
+    from exact.interface import DagerAttack
+
+    module = load_benchmark("investigations.batched.lora_batch")
+    decode = lambda t: " ".join(map(str, t))  # noqa: E731
+    for batch, seed in ((1, 0), (2, 1)):
+        pipe = pipeline(batch)
+        threat = ThreatModel.from_pipeline(pipe, seq_len=5)
+        ids = torch.randint(0, VOCAB, (batch, 5), generator=torch.Generator().manual_seed(seed))
+        update = pipe({"input_ids": ids[None]}, keep_update=True).update[0]
+        row = module.dager_row(update, threat, batch, ids, decode)
+        direct = DagerAttack().attack(update, threat, batch)
+        scores = score_batch(direct.sequences, ids, None, decode, direct.certified_update)
+        assert row["token_acc"] == scores["correct"] / scores["tokens"] and row["exact"] == scores["exact_fraction"]
+        assert row["rouge1"] == scores["rouge1"] and row["mode"] == str(direct.diagnostics.get("mode", "strict"))
+        if batch == 1:
+            assert direct.sequences[0][:4] == ids[0, :4].tolist() and row["token_acc"] >= 0.8

@@ -56,6 +56,26 @@ class Setup:
                                                    aux[: self.whitening_blocks], self.fingerprint)
         self._clients: dict[tuple[int, float, int], object] = {}
 
+    @property
+    def threat(self):
+        """The server's threat model around its pipeline (what the audit's attacks take)."""
+        from datamodules.threat_model import ThreatModel
+
+        return ThreatModel.from_pipeline(self.server, self.data.seq_len)
+
+    def trajectory(self, batch: int, lr: float, local_epochs: int) -> tuple[float, ...]:
+        """DAGER's offsets of the clients' local steps (() for FedSGD), as the audit gives them."""
+        from exact.dager.attack import local_step_offsets
+
+        if local_epochs == 1:
+            return ()
+        key = (batch, lr, local_epochs)
+        if key not in self._clients:
+            from lti.audit.federation import client_pipeline
+
+            self._clients[key] = client_pipeline(self.server, batch, local_epochs=local_epochs, lr=lr)
+        return local_step_offsets(self._clients[key].client.local)
+
     def draw(self, split: str, batch: int, k: int) -> torch.Tensor:
         """Update k's B blocks (B, L) of `split` ("evaluation" or "auxiliary_tail"): every batched investigation's
         draw (seed 7919 B + k, also the seed of the client's own randomness in `observed`)."""
@@ -145,6 +165,19 @@ def result_row(found, ids: torch.Tensor, decode, seconds: float) -> dict:
     return row
 
 
+def dager_row(update: torch.Tensor, threat, batch: int, ids: torch.Tensor, decode, trajectory: tuple = ()) -> dict:
+    """DAGER (the audit's, its default options) on the same update the batched attack read: its scores, mode and
+    seconds, as the batched attack's are written."""
+    from datamodules.metrics import score_batch
+    from exact.interface import DagerAttack
+
+    found = DagerAttack(trajectory=trajectory).attack(update, threat, batch)
+    scores = score_batch(found.sequences, ids, None, decode, found.certified_update)
+    return {"token_acc": scores["correct"] / scores["tokens"], "rouge1": scores["rouge1"], "rouge2": scores["rouge2"],
+            "exact": scores["exact_fraction"], "mode": str(found.diagnostics.get("mode", "strict")),
+            "seconds": round(found.seconds, 2)}
+
+
 def merged_row(found, update: torch.Tensor, simulate, ids: torch.Tensor, decode) -> dict | None:
     """What merging the two searches (`exact.batched.attack.merge_searches`) would have read, measured beside the
     attack's own result (which it does not change); None when one search ran."""
@@ -206,6 +239,32 @@ def progress_writer(path: str | None, batch: int, update: int, split: str, ids: 
     return write
 
 
+def batched_fields(attack, args, options: BatchedOptions, weights, other, split: dict, batch: int, k: int,
+                   ids: torch.Tensor, update: torch.Tensor, simulate, decode, run: str) -> dict:
+    """The batched attack on update `k`: its scores (`result_row`), the merge of its two searches, and the settings
+    it ran with, as a row's fields."""
+    checked = args.label_candidates > 0
+    began = time.perf_counter()
+    found = attack.attack(split, batch, ids.shape[1], simulate if checked else None, update,
+                          on_step=progress_writer(args.progress, batch, k, args.split, ids, decode, run))
+    seconds = time.perf_counter() - began
+    return {"lm_weight": weights.lm if weights else options.lm_weight,
+            "beam": args.beam, "pick_budget": options.pick_budget(batch, ids.shape[1]),
+            **result_row(found, ids, decode, seconds),
+            "label_candidates": args.label_candidates, "refine": options.refine_passes(batch, checked=checked),
+            "refine_beam": options.refine_beam, "refine_shortlist": options.refine_shortlist,
+            "refine_screen_sites": options.refine_screen_sites, "refine_scorer": options.refine_scorer,
+            "refine_resume": options.refine_resume,
+            "regrow": options.regrow_attempts(batch) if checked else 0,
+            "screen_sites": args.screen_sites, "shortlist": args.shortlist,
+            "first_site_shortlist": options.first_site_cut(args.shortlist),
+            "screen_precision": args.screen_precision, "extension_cache_gib": args.extension_cache_gib,
+            "scorer": args.scorer, "scorer_batch_sizes": list(weights.batch_sizes) if weights else None,
+            "second_opinion_batch_sizes": list(other.batch_sizes) if other else None,
+            "second_opinion_file": args.second_opinion,
+            "merged": merged_row(found, update, simulate, ids, decode)}  # None: one search ran
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/audit/inverter_smollm2_lora.yaml", help="the threat model")
@@ -265,6 +324,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="learned scorer weights searched again with when the refit residual is above "
                              "--second-opinion-above (the lower residual's result is kept)")
     parser.add_argument("--second-opinion-above", type=float, default=BatchedOptions.second_opinion_above)
+    parser.add_argument("--attacks", nargs="+", choices=["batched", "dager"], default=["batched"],
+                        help="the attacks run on each update: the batched attack (its scores at the row's top level) "
+                             "and DAGER (the audit's, default options; its scores in the row's `dager`)")
     parser.add_argument("--whitening-blocks", type=int, default=512, help="auxiliary blocks the whitening reads")
     parser.add_argument("--whitening-cache", default="runs/whitening/smollm2_lora.safetensors")
     parser.add_argument("--out", required=True, help="JSONL file: one line per update")
@@ -306,30 +368,17 @@ def main(argv: list[str] | None = None) -> None:
                 ids = bench.draw(args.split, batch, k)
                 update, split = bench.observed(ids, args.lr, args.clip_norm, args.local_epochs, local_dp,
                                                seed=7919 * batch + k)
-                began = time.perf_counter()
-                found = attack.attack(split, batch, ids.shape[1], simulate if args.label_candidates > 0 else None,
-                                      update, on_step=progress_writer(args.progress, batch, k, args.split, ids, decode,
-                                                                      log.run))
-                seconds = time.perf_counter() - began
-                row = {"B": batch, "L": ids.shape[1], "update": k, "split": args.split, "lm_weight": weights.lm if weights else options.lm_weight,
-                       "beam": args.beam, "pick_budget": options.pick_budget(batch, ids.shape[1]),
-                       **result_row(found, ids, decode, seconds),
-                       "label_candidates": args.label_candidates, "refine": options.refine_passes(batch, checked=args.label_candidates > 0),
-                       "refine_beam": options.refine_beam, "refine_shortlist": options.refine_shortlist,
-                       "refine_screen_sites": options.refine_screen_sites, "refine_scorer": options.refine_scorer,
-                       "refine_resume": options.refine_resume,
-                       "regrow": options.regrow_attempts(batch) if args.label_candidates > 0 else 0,
-                       "screen_sites": args.screen_sites, "shortlist": args.shortlist,
-                       "first_site_shortlist": options.first_site_cut(args.shortlist),
-                       "screen_precision": args.screen_precision, "extension_cache_gib": args.extension_cache_gib,
-                       "scorer": args.scorer, "scorer_batch_sizes": list(weights.batch_sizes) if weights else None,
-                       "second_opinion_batch_sizes": list(other.batch_sizes) if other else None,
-                       "clip_norm": args.clip_norm, "local_epochs": args.local_epochs,
-                       "local_dp_epsilon": args.local_dp_epsilon,
-                       "local_dp_delta": args.local_dp_delta if args.local_dp_epsilon is not None else None,
-                       "overrides": dict(args.set),
-                       "second_opinion_file": args.second_opinion}
-                row["merged"] = merged_row(found, update, simulate, ids, decode)  # None: one search ran
+                row = {"B": batch, "L": ids.shape[1], "update": k, "split": args.split}
+                if "batched" in args.attacks:
+                    row.update(batched_fields(attack, args, options, weights, other, split, batch, k, ids,
+                                              update, simulate, decode, log.run))
+                if "dager" in args.attacks:
+                    row["dager"] = dager_row(update, bench.threat, batch, ids, decode,
+                                             bench.trajectory(batch, args.lr, args.local_epochs))
+                row.update({"clip_norm": args.clip_norm, "local_epochs": args.local_epochs,
+                            "local_dp_epsilon": args.local_dp_epsilon,
+                            "local_dp_delta": args.local_dp_delta if args.local_dp_epsilon is not None else None,
+                            "overrides": dict(args.set)})
                 log.write(row)
 
 
