@@ -758,3 +758,38 @@ def test_lora_batch_dager_row_scores_dager_on_the_update_the_batched_attack_read
         assert row["rouge1"] == scores["rouge1"] and row["mode"] == str(direct.diagnostics.get("mode", "strict"))
         if batch == 1:
             assert direct.sequences[0][:4] == ids[0, :4].tolist() and row["token_acc"] >= 0.8
+
+
+def test_batched_cells_table_pairs_dager_with_the_batched_updates_and_reads_the_hand_set_search(tmp_path, capsys):
+    """`batched_cells`: a cell's means over its updates (a later file's row replacing an earlier one's), the hand-set
+    search's accuracy where the learned second opinion was kept, DAGER only where it ran on every update."""
+    module = load_benchmark("tools.batched_cells")
+
+    def row(update, acc, **extra):
+        return {"B": 4, "L": 16, "update": update, "token_acc": acc, "rouge1": acc, "rouge2": acc / 2, "exact": 0.25,
+                "certified": acc == 1.0, "seconds": 10.0 * (update + 1), "second_opinion": None, **extra}
+
+    (tmp_path / "old.jsonl").write_text(json.dumps(row(0, 0.1)) + "\n" + json.dumps({**row(0, 0.5), "B": 8}) + "\n")
+    (tmp_path / "new.jsonl").write_text("\n".join(json.dumps(r) for r in (
+        row(0, 1.0), row(1, 0.6, second_opinion=True, other_token_acc=0.2), row(2, 0.5, second_opinion=False))) + "\n")
+    (tmp_path / "dager.jsonl").write_text("\n".join(json.dumps({"B": 4, "update": k, "dager": {
+        "token_acc": a, "seconds": 1.0}}) for k, a in ((0, 0.05), (1, 0.03), (2, 0.04))) + "\n")
+    (tmp_path / "dager_part.jsonl").write_text(json.dumps({"B": 4, "update": 0, "dager": {"token_acc": 0.9,
+                                                                                           "seconds": 1.0}}) + "\n")
+    manifest = {"cells": [{"cell": "no defense", "B": 4, "batched": ["old.jsonl", "new.jsonl"], "dager": ["dager.jsonl"]},
+                          {"cell": "part", "B": 4, "batched": ["new.jsonl"], "dager": ["dager_part.jsonl"]}]}
+    (tmp_path / "cells.json").write_text(json.dumps(manifest))
+    module.main([str(tmp_path / "cells.json")])
+    lines = capsys.readouterr().out.splitlines()
+    # (1.0 + 0.6 + 0.5) / 3 = 70.0; hand-set (1.0 + 0.2 + 0.5) / 3 = 56.7; DAGER (5 + 3 + 4) / 3 = 4.0; median 20 s
+    assert lines[2] == ("| no defense | 4 | 16 | 3 | 4.0 | 56.7 | **70.0** | 70.0 / 35.0 | 25.0 | 1 / 3 | 20 | "
+                        "batched |")
+    assert lines[3].split(" | ")[4] == "not run"  # DAGER ran on update 0 only
+    manifest["cells"][0]["B"] = 16
+    (tmp_path / "cells.json").write_text(json.dumps(manifest))
+    with pytest.raises(SystemExit, match="no B = 16 rows"):
+        module.main([str(tmp_path / "cells.json")])
+    manifest["cells"][0]["dager"] = ["absent.jsonl"]
+    (tmp_path / "cells.json").write_text(json.dumps(manifest))
+    with pytest.raises(SystemExit, match="absent.jsonl does not exist"):
+        module.main([str(tmp_path / "cells.json")])
