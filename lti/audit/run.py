@@ -581,8 +581,10 @@ class Audit:
                          f"(--federation.rounds {self.options.federation.rounds}); a rerun with --federation.rounds "
                          f"{held} reports them all.")
             self.say(notes[-1])
+        client = self.server.client
+        shape = {"L": self.data.seq_len, "lora_rank": client.rank, "lora_modules": client.target_modules}
         write_report(self.out, self.options, records, self.attacks.learned, seconds, notes, self.probe_baseline,
-                     self.attacks.pointer)
+                     self.attacks.pointer, shape)
 
     def records(self) -> list[dict]:
         out, asked = [], set(self.options.attacked_rounds())

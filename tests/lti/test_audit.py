@@ -206,8 +206,12 @@ def test_an_audit_writes_its_report_and_every_round(tiny_audit):
         assert record["attacks"]["dager"]["sequences"] == record["attacks"]["batched"]["sequences"] == 2
         assert math.isfinite(record["utility_after"])
     assert records[1]["utility_before"] == records[0]["utility_after"]
-    assert json.loads((out / "report.json").read_text())["probe_baseline"] is None  # no inverter, no probe
+    stored = json.loads((out / "report.json").read_text())
+    assert stored["probe_baseline"] is None  # no inverter, no probe
+    # B, L and r stated beside the numbers (the tiny threat model: 8 tokens, rank 8 on q/v; one sequence per update)
+    assert stored["setting"] == {"B": 1, "L": 8, "lora_rank": 8, "lora_modules": ["q_proj", "v_proj"]}
     report = (out / "report.md").read_text()
+    assert "B = 1 sequence of L = 8 tokens per update, LoRA r = 8 on q_proj, v_proj, FedSGD step" in report
     assert "Staleness probe" not in report
     assert "| 2 | DAGER" in report and "## Reconstructions" in report
     # The batched attack's whitening is kept in the folder (one file for this model and auxiliary text).
