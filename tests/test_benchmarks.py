@@ -729,15 +729,16 @@ def test_extension_speed_times_both_attentions_whose_inputs_agree_and_leaves_the
     assert pipe.target.model.config._attn_implementation == "eager"
 
 
-def test_lora_batch_dager_row_scores_dager_on_the_update_the_batched_attack_read():
-    """`lora_batch --dager`: the row's `dager` is DAGER's result on the same update, scored as the batched attack's
-    (the metrics called on DAGER's own sequences); a one-sequence tiny LoRA update's inputs are read whole (the last
-    token is a label only, which no span test sees)."""
-    import sys
+def test_lora_batch_dager_row_scores_dager_on_the_update_the_batched_attack_read(monkeypatch):
+    """`lora_batch --attacks dager`: the row's `dager` is DAGER's result on the same update, scored as the batched
+    attack's (the metrics called on DAGER's own sequences); a one-sequence tiny LoRA update's inputs are read whole (the
+    last token is a label only, which no span test sees). DAGER follows a FedAvg client's local steps as the audit
+    gives them."""
+    import types
 
     import torch
 
-    sys.path.insert(0, str(Path(__file__).parent / "exact"))
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "exact"))
     from test_batched import VOCAB, pipeline
 
     from datamodules.metrics import score_batch
@@ -756,40 +757,64 @@ def test_lora_batch_dager_row_scores_dager_on_the_update_the_batched_attack_read
         scores = score_batch(direct.sequences, ids, None, decode, direct.certified_update)
         assert row["token_acc"] == scores["correct"] / scores["tokens"] and row["exact"] == scores["exact_fraction"]
         assert row["rouge1"] == scores["rouge1"] and row["mode"] == str(direct.diagnostics.get("mode", "strict"))
+        assert row["certified"] == direct.certified_update
         if batch == 1:
             assert direct.sequences[0][:4] == ids[0, :4].tolist() and row["token_acc"] >= 0.8
+    # The audit's trajectory: its clients' local steps at lr, t * lr for t = 0, 1; none for FedSGD.
+    bench = types.SimpleNamespace(server=pipeline(2), _clients={})
+    bench.clients = types.MethodType(module.Setup.clients, bench)
+    assert module.Setup.trajectory(bench, 2, 0.05, 2) == (0.0, 0.05)
+    assert module.Setup.trajectory(bench, 2, 0.05, 1) == ()
 
 
 def test_batched_cells_table_pairs_dager_with_the_batched_updates_and_reads_the_hand_set_search(tmp_path, capsys):
     """`batched_cells`: a cell's means over its updates (a later file's row replacing an earlier one's), the hand-set
-    search's accuracy where the learned second opinion was kept, DAGER only where it ran on every update."""
+    search's accuracy where the learned second opinion was kept, DAGER on the same updates (how many, where it ran on
+    some), and refusals: a DAGER row drawn under another setting, a missing file, a cell without rows."""
     module = load_benchmark("tools.batched_cells")
 
     def row(update, acc, **extra):
         return {"B": 4, "L": 16, "update": update, "token_acc": acc, "rouge1": acc, "rouge2": acc / 2, "exact": 0.25,
-                "certified": acc == 1.0, "seconds": 10.0 * (update + 1), "second_opinion": None, **extra}
+                "certified": acc == 1.0, "seconds": 10.0 * (update + 1), "second_opinion": None,
+                "second_opinion_file": "scorer.safetensors", **extra}
 
-    (tmp_path / "old.jsonl").write_text(json.dumps(row(0, 0.1)) + "\n" + json.dumps({**row(0, 0.5), "B": 8}) + "\n")
-    (tmp_path / "new.jsonl").write_text("\n".join(json.dumps(r) for r in (
-        row(0, 1.0), row(1, 0.6, second_opinion=True, other_token_acc=0.2), row(2, 0.5, second_opinion=False))) + "\n")
-    (tmp_path / "dager.jsonl").write_text("\n".join(json.dumps({"B": 4, "update": k, "dager": {
-        "token_acc": a, "seconds": 1.0}}) for k, a in ((0, 0.05), (1, 0.03), (2, 0.04))) + "\n")
-    (tmp_path / "dager_part.jsonl").write_text(json.dumps({"B": 4, "update": 0, "dager": {"token_acc": 0.9,
-                                                                                           "seconds": 1.0}}) + "\n")
+    def dager(update, acc, **extra):
+        return {"B": 4, "L": 16, "update": update, "dager": {"token_acc": acc, "seconds": 2.0 + update}, **extra}
+
+    def lines(path):
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows[path.name]))
+
+    rows = {"old.jsonl": [row(0, 0.1), {**row(0, 0.5), "B": 8}],
+            "new.jsonl": [row(0, 1.0), row(1, 0.6, second_opinion=True, other_token_acc=0.2),
+                          row(2, 0.5, second_opinion=False)],
+            "plain.jsonl": [row(0, 0.7, second_opinion_file=None)],
+            "dager.jsonl": [dager(0, 0.05), dager(1, 0.03), dager(2, 0.04)],
+            "dager_part.jsonl": [dager(0, 0.9)], "dager_clipped.jsonl": [dager(0, 0.9, clip_norm=0.01)]}
+    for name in rows:
+        lines(tmp_path / name)
     manifest = {"cells": [{"cell": "no defense", "B": 4, "batched": ["old.jsonl", "new.jsonl"], "dager": ["dager.jsonl"]},
-                          {"cell": "part", "B": 4, "batched": ["new.jsonl"], "dager": ["dager_part.jsonl"]}]}
-    (tmp_path / "cells.json").write_text(json.dumps(manifest))
-    module.main([str(tmp_path / "cells.json")])
-    lines = capsys.readouterr().out.splitlines()
-    # (1.0 + 0.6 + 0.5) / 3 = 70.0; hand-set (1.0 + 0.2 + 0.5) / 3 = 56.7; DAGER (5 + 3 + 4) / 3 = 4.0; median 20 s
-    assert lines[2] == ("| no defense | 4 | 16 | 3 | 4.0 | 56.7 | **70.0** | 70.0 / 35.0 | 25.0 | 1 / 3 | 20 | "
-                        "batched |")
-    assert lines[3].split(" | ")[4] == "not run"  # DAGER ran on update 0 only
-    manifest["cells"][0]["B"] = 16
-    (tmp_path / "cells.json").write_text(json.dumps(manifest))
-    with pytest.raises(SystemExit, match="no B = 16 rows"):
+                          {"cell": "part", "B": 4, "batched": ["new.jsonl"], "dager": ["dager_part.jsonl"]},
+                          {"cell": "plain", "B": 4, "batched": ["plain.jsonl"]}]}
+
+    def run(cells):
+        (tmp_path / "cells.json").write_text(json.dumps({"cells": cells}))
         module.main([str(tmp_path / "cells.json")])
-    manifest["cells"][0]["dager"] = ["absent.jsonl"]
-    (tmp_path / "cells.json").write_text(json.dumps(manifest))
-    with pytest.raises(SystemExit, match="absent.jsonl does not exist"):
-        module.main([str(tmp_path / "cells.json")])
+        return capsys.readouterr().out.splitlines()
+
+    out = run(manifest["cells"])
+    # (1.0 + 0.6 + 0.5) / 3 = 70.0; hand-set (1.0 + 0.2 + 0.5) / 3 = 56.7; DAGER (5 + 3 + 4) / 3 = 4.0 in a median 3 s
+    assert out[2] == ("| no defense | 4 | 16 | 3 | 4.0 (3 s) | 56.7 | **70.0** | 70.0 / 35.0 | 25.0 | 1 / 3 | 20 | "
+                      "batched |")
+    assert out[3].split(" | ")[4:7] == ["90.0 (2 s, 1 of 3 updates)", "56.7", "**70.0**"]
+    assert out[3].endswith("| — |") and out[4].split(" | ")[4:6] == ["not run", "no scorer"]
+    refused = [({**manifest["cells"][0], "B": 16}, "no B = 16 rows"),
+               ({**manifest["cells"][0], "dager": ["absent.jsonl"]}, "absent.jsonl does not exist"),
+               ({**manifest["cells"][0], "dager": ["dager_clipped.jsonl"]}, "update 0: DAGER's row was drawn under"),
+               ({**manifest["cells"][0], "batched": ["plain.jsonl"], "dager": []}, None)]
+    for cell, message in refused:
+        if message is None:  # a first search with a learned scorer has no hand-set result to show
+            rows["plain.jsonl"] = [row(0, 0.7, scorer="learned.safetensors")]
+            lines(tmp_path / "plain.jsonl")
+            message = "searched with a learned scorer first"
+        with pytest.raises(SystemExit, match=message):
+            run([cell])

@@ -19,14 +19,17 @@ import statistics
 from pathlib import Path
 
 
-def rows_by_batch(paths: list[str]) -> dict[int, list[dict]]:
-    """Rows per B, in the order read; a row of the same B and update as an earlier one replaces it, so a later
-    file (today's settings on some of the updates) updates the rows of an earlier one."""
+def rows_by_batch(paths: list[str], batched_only: bool = True) -> dict[int, list[dict]]:
+    """The batched attack's rows per B, in the order read; a row of the same B and update as an earlier one replaces
+    it, so a later file (today's settings on some of the updates) updates the rows of an earlier one. Rows of DAGER
+    alone (`lora_batch --attacks dager`) are left out unless `batched_only` is False."""
     out: dict[int, dict] = {}
     for path in paths:
         for number, line in enumerate(Path(path).read_text().splitlines()):
             if line.strip():
                 row = json.loads(line)
+                if batched_only and "token_acc" not in row:
+                    continue
                 key = row["update"] if "update" in row else (path, number)
                 out.setdefault(int(row["B"]), {})[key] = row
     return {batch: list(rows.values()) for batch, rows in sorted(out.items())}

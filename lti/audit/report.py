@@ -77,7 +77,8 @@ def write_report(out: Path, options: AuditOptions, records: list[dict], learned,
                  shape: dict | None = None) -> None:
     """report.md, report.json and the two plots under `out` (and W&B if asked); `probe_baseline`: the
     per-position majority's token accuracy on the staleness probe's sequences (None: no probe); `shape`: the
-    updates' sequence length and adapters ({"L", "lora_rank", "lora_modules"}), stated beside B."""
+    updates' sequence length and adapters ({"L", "lora_rank", "lora_modules": the adapted modules' names}), stated
+    beside B."""
     fed, dp = options.federation, options.flower_dp
     lines = [
         "# Audit report",
@@ -85,8 +86,9 @@ def write_report(out: Path, options: AuditOptions, records: list[dict], learned,
         f"Threat model: `{options.threat_model}`"
         + (f" with `{' '.join(options.threat_model_args)}`" if options.threat_model_args else "")
         + f"; {fed.clients} Flower clients × {fed.rounds} rounds, "
-        f"B = {fed.batch_size} sequence{'s' if fed.batch_size != 1 else ''}" + (f" of L = {shape['L']} tokens" if shape else "") + " per update, "
-        + (f"LoRA r = {shape['lora_rank']} on {_modules(shape['lora_modules'])}, " if shape else "")
+        f"B = {fed.batch_size} sequence{'s' if fed.batch_size != 1 else ''}"
+        + (f" of L = {shape['L']} tokens per update, LoRA r = {shape['lora_rank']} on {', '.join(shape['lora_modules'])}, "
+           if shape else " per update, ")
         + (f"FedSGD step lr = {fed.lr}" if fed.local_steps() == 1 else
            f"FedAvg: {fed.local_steps()} local SGD steps at lr = {fed.lr}") + f"; Flower DP: {dp.mode}"
         + ("" if dp.mode == "none" else f" (clipping norm {dp.clipping_norm}"
@@ -136,11 +138,6 @@ def write_report(out: Path, options: AuditOptions, records: list[dict], learned,
     plot_privacy_utility(records, out / "privacy_utility.png")
     if options.wandb:
         _log_wandb(out, records)
-
-
-def _modules(modules: list[str] | None) -> str:
-    """The adapted modules as the report names them (None: the architecture's defaults)."""
-    return ", ".join(modules) if modules else "the architecture's default modules"
 
 
 def _how(scores: dict | None) -> str:

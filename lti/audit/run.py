@@ -582,7 +582,9 @@ class Audit:
                          f"{held} reports them all.")
             self.say(notes[-1])
         client = self.server.client
-        shape = {"L": self.data.seq_len, "lora_rank": client.rank, "lora_modules": client.target_modules}
+        # The modules the clients adapt, read off their adapters (the threat model may leave them to the architecture).
+        modules = sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in self.clients.names if ".lora_" in name})
+        shape = {"L": self.data.seq_len, "lora_rank": client.rank, "lora_modules": modules}
         write_report(self.out, self.options, records, self.attacks.learned, seconds, notes, self.probe_baseline,
                      self.attacks.pointer, shape)
 

@@ -6,6 +6,7 @@ last blocks, which the whitening never reads: the split to choose settings on), 
 w - lr * g returned in float32 and read back as (w - returned) / lr in float64, as the audit's server
 does. Reports bag recall (distinct visible tokens found), token accuracy (sequences matched as the
 metrics do), ROUGE-1/2, exact sequences and seconds per update; one JSON line per update as it ends.
+`--attacks dager` (or `batched dager`): DAGER on the same updates, its scores in each row's `dager`.
 
     python -m benchmarks.investigations.batched.lora_batch --batch-sizes 1 2 4 8 16 --updates 8 \
         --out docs/results/audit/batched/eval.jsonl
@@ -63,18 +64,20 @@ class Setup:
 
         return ThreatModel.from_pipeline(self.server, self.data.seq_len)
 
+    def clients(self, batch: int, lr: float, local_epochs: int):
+        """The clients' pipeline of B = `batch` sequences and `local_epochs` local steps at `lr` (made once)."""
+        from lti.audit.federation import client_pipeline
+
+        key = (batch, lr, local_epochs)
+        if key not in self._clients:
+            self._clients[key] = client_pipeline(self.server, batch, local_epochs=local_epochs, lr=lr)
+        return self._clients[key]
+
     def trajectory(self, batch: int, lr: float, local_epochs: int) -> tuple[float, ...]:
         """DAGER's offsets of the clients' local steps (() for FedSGD), as the audit gives them."""
         from exact.dager.attack import local_step_offsets
 
-        if local_epochs == 1:
-            return ()
-        key = (batch, lr, local_epochs)
-        if key not in self._clients:
-            from lti.audit.federation import client_pipeline
-
-            self._clients[key] = client_pipeline(self.server, batch, local_epochs=local_epochs, lr=lr)
-        return local_step_offsets(self._clients[key].client.local)
+        return local_step_offsets(self.clients(batch, lr, local_epochs).client.local)
 
     def draw(self, split: str, batch: int, k: int) -> torch.Tensor:
         """Update k's B blocks (B, L) of `split` ("evaluation" or "auxiliary_tail"): every batched investigation's
@@ -101,12 +104,9 @@ class Setup:
         import numpy as np
 
         from lti.audit.attacks import observed_update
-        from lti.audit.federation import adapter_state, client_pipeline
+        from lti.audit.federation import adapter_state
 
-        key = (ids.shape[0], lr, local_epochs)
-        if key not in self._clients:
-            self._clients[key] = client_pipeline(self.server, ids.shape[0], local_epochs=local_epochs, lr=lr)
-        clients = self._clients[key]
+        clients = self.clients(ids.shape[0], lr, local_epochs)
         sent = adapter_state(clients)
         computed = clients({"input_ids": ids[None]}, keep_update=True).update[0]
         # FedSGD's update is the gradient; FedAvg's is already the weight change w_start - w_end.
@@ -174,8 +174,8 @@ def dager_row(update: torch.Tensor, threat, batch: int, ids: torch.Tensor, decod
     found = DagerAttack(trajectory=trajectory).attack(update, threat, batch)
     scores = score_batch(found.sequences, ids, None, decode, found.certified_update)
     return {"token_acc": scores["correct"] / scores["tokens"], "rouge1": scores["rouge1"], "rouge2": scores["rouge2"],
-            "exact": scores["exact_fraction"], "mode": str(found.diagnostics.get("mode", "strict")),
-            "seconds": round(found.seconds, 2)}
+            "exact": scores["exact_fraction"], "certified": found.certified_update,
+            "mode": str(found.diagnostics.get("mode", "strict")), "seconds": round(found.seconds, 2)}
 
 
 def merged_row(found, update: torch.Tensor, simulate, ids: torch.Tensor, decode) -> dict | None:
