@@ -15,6 +15,7 @@ metrics do), ROUGE-1/2, exact sequences and seconds per update; one JSON line pe
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -35,7 +36,6 @@ class Setup:
                  overrides: list[str] | None = None) -> None:
         from datamodules.federated.pipeline import target_fingerprint
         from exact.batched.sites import adapter_sites
-        from exact.batched.whitening import SiteWhitening
         from lti.trainer_cli import instantiate
 
         _, self.data = instantiate(config, overrides or [])
@@ -53,9 +53,17 @@ class Setup:
         self.names = list(self.server.names)
         self.sites = adapter_sites(self.names)
         self.fingerprint = target_fingerprint(self.target)
-        self.whitening = SiteWhitening.load_or_fit(whitening_cache, self.target, self.sites,
-                                                   aux[: self.whitening_blocks], self.fingerprint)
+        self._whitening_source = (whitening_cache, aux[: self.whitening_blocks])
         self._clients: dict[tuple[int, float, int], object] = {}
+
+    @functools.cached_property
+    def whitening(self):
+        """The server's whitening (fitted on the auxiliary split's first blocks, cached), made when first needed: DAGER
+        alone never reads it."""
+        from exact.batched.whitening import SiteWhitening
+
+        cache, blocks = self._whitening_source
+        return SiteWhitening.load_or_fit(cache, self.target, self.sites, blocks, self.fingerprint)
 
     @property
     def threat(self):
@@ -361,9 +369,10 @@ def main(argv: list[str] | None = None) -> None:
     with RowLog(args.out) as log:
         for batch in args.batch_sizes:
             weights, other = weights_for(args.scorer, batch), weights_for(args.second_opinion, batch)
-            attack = BatchedLoRA(bench.target, bench.names, bench.whitening, options,
-                                 scorer=(weights.sites, weights.lm) if weights else None,
-                                 second_opinion=(other.sites, other.lm) if other else None)
+            attack = (BatchedLoRA(bench.target, bench.names, bench.whitening, options,
+                                  scorer=(weights.sites, weights.lm) if weights else None,
+                                  second_opinion=(other.sites, other.lm) if other else None)
+                      if "batched" in args.attacks else None)  # DAGER alone needs no whitening
             for k in range(args.first_update, args.first_update + args.updates):
                 ids = bench.draw(args.split, batch, k)
                 update, split = bench.observed(ids, args.lr, args.clip_norm, args.local_epochs, local_dp,
