@@ -818,3 +818,18 @@ def test_batched_cells_table_pairs_dager_with_the_batched_updates_and_reads_the_
             message = "searched with a learned scorer first"
         with pytest.raises(SystemExit, match=message):
             run([cell])
+
+
+def test_lora_batch_setup_makes_the_whitening_once_when_first_read(monkeypatch):
+    """`Setup.whitening` is fitted (or loaded) on first use only, once: DAGER alone (`--attacks dager`) never reads it,
+    so an old cache of another format does not stop it."""
+    from exact.batched.whitening import SiteWhitening
+
+    module = load_benchmark("investigations.batched.lora_batch")
+    calls = []
+    monkeypatch.setattr(SiteWhitening, "load_or_fit", staticmethod(lambda *args: calls.append(args) or "whitening"))
+    bench = module.Setup.__new__(module.Setup)
+    bench.__dict__.update(target="model", sites=["site"], fingerprint="abc", _whitening_source=("cache", "blocks"))
+    assert calls == []
+    assert bench.whitening == "whitening" and bench.whitening == "whitening"
+    assert calls == [("cache", "model", ["site"], "blocks", "abc")]
