@@ -572,6 +572,7 @@ class Audit:
                     path.unlink(missing_ok=True)
 
     def _report(self, records: list[dict], seconds: float) -> None:
+        from datamodules.federated.protocols.lora import adapted_modules
         from lti.audit.report import write_report
 
         notes = list(self.notes)
@@ -581,10 +582,8 @@ class Audit:
                          f"(--federation.rounds {self.options.federation.rounds}); a rerun with --federation.rounds "
                          f"{held} reports them all.")
             self.say(notes[-1])
-        client = self.server.client
-        # The modules the clients adapt, read off their adapters (the threat model may leave them to the architecture).
-        modules = sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in self.clients.names if ".lora_" in name})
-        shape = {"L": self.data.seq_len, "lora_rank": client.rank, "lora_modules": modules}
+        shape = {"L": self.data.seq_len, "lora_rank": self.server.client.rank,
+                 "lora_modules": adapted_modules(self.clients.names)}
         write_report(self.out, self.options, records, self.attacks.learned, seconds, notes, self.probe_baseline,
                      self.attacks.pointer, shape)
 

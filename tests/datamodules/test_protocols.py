@@ -34,6 +34,7 @@ from datamodules.federated.defenses import Compose
 from datamodules.federated.engines.next_token import group_gradients, group_gradients_loop, group_gradients_vmap
 from datamodules.federated.hashing import Hashing
 from datamodules.federated.protocols.base import model_mode
+from datamodules.federated.protocols.lora import adapted_modules
 from datamodules.targets import HFCausalLM, Transformer3
 from datamodules.targets.base import next_token_loss
 
@@ -342,6 +343,9 @@ def test_lora_observes_only_adapters_with_a_deterministic_init():
     assert {n.split(".lora_")[0] for n in a.names} == {f"encoder.layers.{i}.linear{j}" for i in (0, 1) for j in (1, 2)}
     assert [name for name, _ in a.spec.parameters] == a.names  # the hash spec (and checkpoints) follow
     assert dict(a.spec.parameters)["encoder.layers.0.linear1.lora_A.default.weight"] == (2, 16)
+    # the modules the architecture's default adapts, read off the adapters (what the audit's report names)
+    assert adapted_modules(a.names) == ["linear1", "linear2"]
+    assert adapted_modules(["encoder.layers.0.linear1.weight"]) == []
     assert a.spec.target_fingerprint == b.spec.target_fingerprint != c.spec.target_fingerprint
     update = a({"input_ids": torch.randint(0, 300, (2, 1, 8))}, keep_update=True).update
     assert update.shape == (2, a.observed_dim) and torch.isfinite(update).all()

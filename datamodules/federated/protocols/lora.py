@@ -25,6 +25,12 @@ def _is_adapter(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 
 
+def adapted_modules(names: list[str]) -> list[str]:
+    """The modules (their last name, e.g. q_proj) that the adapters among parameter `names` adapt, sorted: what a
+    threat model that leaves `target_modules` to the architecture ends up adapting."""
+    return sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in names if _is_adapter(name)})
+
+
 class LoRAClient(ClientProtocol):
     """LoRA fine-tuning: peft adapters on the global model; the client trains and sends only them.
 
