@@ -82,6 +82,12 @@ class BatchedOptions(OptionGroup):
             of 72 proposals went wrong before the sequence itself first did). Not the
             default: on the auxiliary tail at B = 4 it kept the same sequences in every pass, and took longer (little is
             confirmed where the passes work, and the pass that keeps none costs one more).
+        refine_in_turn: Each refinement pass regrows the sequences one at a time, each against the others as they
+            stand (a sequence the pass kept already known by the ones after it), and keeps it or not before the next
+            (with the server's simulation; without it, every regrown sequence is kept). A pass of all at once regrows
+            every sequence against the others as the pass found them, so the later ones are still deflated by a
+            wrong sequence the pass repairs. The same extensions either way; the sequences run through the model one
+            at a time instead of together.
         refine_scorer: The weights refinement passes score with when the search has a learned scorer: "search" (the
             search's) or "hand_set" (1 per site and `lm_weight`). With every other sequence known, the test is nearly
             one of membership, and there the hand-set weights rank the true extension first more often (auxiliary
@@ -129,6 +135,7 @@ class BatchedOptions(OptionGroup):
     refine_screen_sites: int | None = None
     refine_scorer: Literal["search", "hand_set"] = "search"
     refine_resume: bool = False
+    refine_in_turn: bool = False
     regrow: int | None = None
     screen_sites: int = 8
     shortlist: int = 64
@@ -181,6 +188,9 @@ class BatchedOptions(OptionGroup):
             raise ValueError(f"refine_screen_sites={self.refine_screen_sites} must be >= 0 (or null: screen_sites)")
         if self.refine_scorer not in ("search", "hand_set"):
             raise ValueError(f"refine_scorer={self.refine_scorer!r} must be search or hand_set")
+        if self.refine_in_turn and self.refine_resume:
+            raise ValueError("refine_in_turn and refine_resume do not combine: a resumed pass chooses its sequences "
+                             "itself")
         if self.screen_sites < 0 or self.shortlist < 0:
             raise ValueError(f"screen_sites={self.screen_sites} and shortlist={self.shortlist} must be >= 0")
         widest = max(self.shortlist, self.refine_shortlist or 0)
@@ -398,6 +408,14 @@ class BatchedLoRA:
         for _ in range(passes):
             if state.certified:  # every input and label right: a regrown sequence could only raise the residual
                 break
+            if self.options.refine_in_turn:
+                kept = self._refine_in_turn(state, scorer, bag, lm_weight, simulate, cache)
+                trace.add("refine", clock.elapsed, state.sequences)
+                if state.current is not None:
+                    kept_per_pass.append(kept)
+                    if not kept:
+                        break
+                continue
             refined = refine_sequences(self.target, self.sites, scorer, bag, state.sequences, lm_weight,
                                        cache=cache, resume=resume, **self._refinement)
             refined_labels = likeliest_labels(self.target, refined, self.options.label_candidates)
@@ -424,6 +442,30 @@ class BatchedLoRA:
             else:
                 resume = self.options.refine_resume
         return kept_per_pass
+
+    def _refine_in_turn(self, state: _Refit, scorer: SpanScorer, bag: list[int], lm_weight: float,
+                        simulate: Callable[[list[list[int]]], Tensor] | None,
+                        cache: ExtensionCache | None = None) -> int:
+        """One refinement pass regrowing the sequences one at a time, each against the others as they stand (`state`,
+        changed in place); returns how many it kept (without the simulation: all it changed)."""
+        kept = 0
+        for i in range(len(state.sequences)):
+            if state.certified:
+                break
+            grown = refine_sequences(self.target, self.sites, scorer, bag, state.sequences, lm_weight, cache=cache,
+                                     only=[i], **self._refinement)[i]
+            label = likeliest_labels(self.target, [grown], self.options.label_candidates)[0]
+            grown[-1] = label[0]
+            if grown == state.sequences[i]:
+                continue
+            if state.current is None:
+                state.sequences[i] = grown
+                if state.labels:
+                    state.labels[i] = label
+                kept += 1
+            elif state.replace({i: grown}, simulate([grown]), {i: label}):
+                kept += 1
+        return kept
 
     def _regrow(self, state: _Refit, scorer: SpanScorer, bag: list[int], length: int, lm_weight: float,
                 simulate: Callable[[list[list[int]]], Tensor],

@@ -859,7 +859,7 @@ def refine_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, b
                      sequences: list[list[int]], lm_weight: float = 0.0, beam: int = 1, screen_sites: int = 0,
                      shortlist: int = 0, screen_precision: str = "float32", cache: ExtensionCache | None = None,
                      screen_model: nn.Module | None = None, resume: bool = False,
-                     first_site_shortlist: int = 0) -> list[list[int]]:
+                     first_site_shortlist: int = 0, only: list[int] | None = None) -> list[list[int]]:
     """One pass of refinement: every sequence grown again with every other sequence's inputs (all their
     positions, as found so far) known. With the others right, the rows' unknown inputs are this sequence's
     own L - 1, fewer than a site's 2r rows at L <= 2r: the span test becomes a membership test. The B
@@ -868,12 +868,20 @@ def refine_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, b
     `resume`: each sequence keeps the prefix the screen confirms (`verified_lengths`, top-ranked tokens) and grows
     again from there; a sequence confirmed whole is not grown again. A pass from the start may trade a right prefix
     for a wrong one when some of the others are wrong; a resumed pass spends its extensions after the prefix.
-    `first_site_shortlist`: as `grow_sequences` takes it (the confirmation of a resumed pass does not cut by it)."""
+    `first_site_shortlist`: as `grow_sequences` takes it (the confirmation of a resumed pass does not cut by it).
+    `only`: the indices of the sequences grown again (default: all); the others are returned as they are, and each
+    chosen one grows as it would in a pass of all (a pass regrowing one sequence at a time: `BatchedOptions.
+    refine_in_turn`)."""
     if len(sequences) < 2:
         return [list(s) for s in sequences]
+    if only is not None:
+        if resume:
+            raise ValueError("only and resume do not combine: a resumed pass chooses its sequences itself")
+        if not only or any(not 0 <= i < len(sequences) for i in only) or len(set(only)) != len(only):
+            raise ValueError(f"only={only} must name distinct sequences among {len(sequences)}")
     inputs = sequence_inputs(target, sites, sequences)
     others = others_inputs(inputs)
-    chosen = list(range(len(sequences)))
+    chosen = list(range(len(sequences))) if only is None else sorted(only)
     prefixes = None
     if resume:
         confirmed = verified_lengths(target, sites, scorer, bag, sequences, lm_weight, screen_sites, shortlist, beam,

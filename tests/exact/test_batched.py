@@ -702,6 +702,59 @@ def test_refinement_regrows_a_wrong_sequence_against_the_others_inputs():
     assert [s[-1] for s in refined] == [s[-1] for s in wrong]  # the labels stay the refit's
 
 
+def test_a_pass_regrowing_some_sequences_grows_each_as_a_pass_of_all_does():
+    """`refine_sequences(only=...)` against its slow reference, the pass of all: each chosen sequence grows against the
+    others as a full pass grows it; the others come back as they were."""
+    from exact.batched.search import refine_sequences
+
+    t = tiny_batch(14, batch=3, length=6)
+    pipe, ids, sites, bag, scorer = t.pipe, t.ids, t.sites, t.bag, t.scorer
+    wrong = ids.tolist()
+    wrong[0][2] = next(x for x in bag if x != wrong[0][2])
+    wrong[2][1] = next(x for x in bag if x != wrong[2][1])
+    for screen in (dict(), dict(screen_sites=1, shortlist=5)):
+        every = refine_sequences(pipe.target, sites, scorer, bag, wrong, 0.5, beam=2, **screen)
+        assert every != wrong  # the pass changes something, so the comparison below can fail
+        for only in ([0], [2], [2, 0], [0, 1, 2]):
+            some = refine_sequences(pipe.target, sites, scorer, bag, wrong, 0.5, beam=2, only=only, **screen)
+            assert some == [every[i] if i in only else wrong[i] for i in range(3)]
+    for only, message in (([], "must name distinct"), ([3], "must name distinct"), ([1, 1], "must name distinct")):
+        with pytest.raises(ValueError, match=message):
+            refine_sequences(pipe.target, sites, scorer, bag, wrong, only=only)
+    with pytest.raises(ValueError, match="only and resume do not combine"):
+        refine_sequences(pipe.target, sites, scorer, bag, wrong, only=[0], resume=True)
+
+
+def test_a_pass_in_turn_regrows_each_sequence_against_the_ones_it_kept_before(monkeypatch):
+    import exact.batched.attack as attack_module
+    from exact.batched import BatchedLoRA, BatchedOptions
+
+    pipe, ids, update, flat, simulate, sites, whitening = checked_batch_of(3, 21)
+    truth = ids.tolist()
+    wrong = [[(t + 1) % VOCAB for t in s] for s in truth]
+    monkeypatch.setattr(attack_module, "grow_sequences", lambda *a, **k: (
+        [list(s) for s in wrong], [[0.0] * 5 for _ in wrong]))
+    seen = []
+
+    def one_true(target, sites, scorer, bag, sequences, *args, only=None, **kwargs):
+        seen.append((only, [list(s) for s in sequences]))
+        return [truth[i] if i in only else list(s) for i, s in enumerate(sequences)]
+
+    monkeypatch.setattr(attack_module, "refine_sequences", one_true)
+    attack = BatchedLoRA(pipe.target, list(pipe.names), whitening,
+                         BatchedOptions(label_candidates=1, beam=2, refine=3, regrow=0, refine_in_turn=True))
+    result = attack.attack(update, 3, 5, simulate, flat)
+    # Pass 1 regrows sequence 0, then 1 with sequence 0's true inputs already known, then 2 with both: each is kept.
+    assert [only for only, _ in seen[:3]] == [[0], [1], [2]]
+    assert [s[:-1] for s in seen[1][1][:1]] == [truth[0][:-1]] and seen[1][1][1:] == wrong[1:]
+    assert [s[:-1] for s in seen[2][1][:2]] == [s[:-1] for s in truth[:2]]
+    assert result.kept_per_pass[0] == 3 and [s[:-1] for s in result.sequences] == [s[:-1] for s in truth]
+    # A pass that proposes the sequences as they stand keeps none and is the last.
+    assert result.kept_per_pass[-1] == 0 and len(result.kept_per_pass) <= 3
+    with pytest.raises(ValueError, match="refine_in_turn and refine_resume do not combine"):
+        BatchedOptions(refine_in_turn=True, refine_resume=True)
+
+
 def test_a_sequence_grown_from_a_given_prefix_keeps_it_and_a_greedy_regrowth_resumed_from_its_own_prefix_repeats_it():
     """With the others' inputs known a sequence grows on its own, so a greedy (beam 1) regrowth resumed after q of
     its own tokens makes the choices it made from the start; an empty prefix is the search without one."""

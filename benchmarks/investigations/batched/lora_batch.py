@@ -262,7 +262,7 @@ def batched_fields(attack, args, options: BatchedOptions, weights, other, split:
             "label_candidates": args.label_candidates, "refine": options.refine_passes(batch, checked=checked),
             "refine_beam": options.refine_beam, "refine_shortlist": options.refine_shortlist,
             "refine_screen_sites": options.refine_screen_sites, "refine_scorer": options.refine_scorer,
-            "refine_resume": options.refine_resume,
+            "refine_resume": options.refine_resume, "refine_in_turn": options.refine_in_turn,
             "regrow": options.regrow_attempts(batch) if checked else 0,
             "screen_sites": args.screen_sites, "shortlist": args.shortlist,
             "first_site_shortlist": options.first_site_cut(args.shortlist),
@@ -313,6 +313,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--refine-resume", action="store_true",
                         help="refinement passes resume each sequence after the prefix the screen confirms (a pass from "
                              "the start when one keeps none)")
+    parser.add_argument("--refine-in-turn", action="store_true",
+                        help="refinement passes regrow the sequences one at a time, each against the others as they "
+                             "stand (kept or not before the next)")
     parser.add_argument("--label-candidates", type=int, default=16,
                         help="last tokens chosen by the least-squares refit among the LM's top k (0: no refit)")
     parser.add_argument("--screen-sites", type=int, default=BatchedOptions.screen_sites,
@@ -354,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
                              label_candidates=max(1, args.label_candidates), refine=args.refine,
                              refine_beam=args.refine_beam, refine_shortlist=args.refine_shortlist,
                              refine_screen_sites=args.refine_screen_sites, refine_scorer=args.refine_scorer,
-                             refine_resume=args.refine_resume,
+                             refine_resume=args.refine_resume, refine_in_turn=args.refine_in_turn,
                              regrow=args.regrow,
                              screen_sites=args.screen_sites, shortlist=args.shortlist,
                              first_site_shortlist=args.first_site_shortlist,
