@@ -29,12 +29,14 @@ from exact.batched.search import (
     ExtensionCache,
     SpanScorer,
     bfloat16_twin,
+    decoder,
     grow_sequences,
     likeliest_labels,
+    others_inputs,
     refine_sequences,
     sequence_inputs,
 )
-from exact.batched.sites import Site, adapter_sites
+from exact.batched.sites import Site, adapter_sites, capture_site_inputs
 from exact.batched.whitening import SiteWhitening, vocabulary_inputs
 from exact.layers import find_layers
 from exact.option_group import OptionGroup
@@ -70,6 +72,13 @@ class BatchedOptions(OptionGroup):
             others' inputs known, kept if the refit residual falls, then refined again; the first refused ends them.
             Refinement regrows one sequence against all the others, so a batch with two wrong sequences misleads
             both regrowths; grown together, the doubtful ones are a smaller batch.
+        restart_first_tokens: When a regrowth is refused (with the server's simulation, B >= 3), the sequences the refit
+            explains least (half the batch, at least 2) are each grown again on their own, the others' inputs known,
+            from this many other first tokens (the bag's best by every site's test at position 0 with the others
+            known, the current one left out), and each takes the variant of lowest refit residual if that is lower
+            than the residual as it stands; if one is taken, refinement runs again (counting as a regrowth attempt).
+            0: none. A search that commits to a wrong first token deflates every later choice by it, and refinement
+            rarely leaves that: of a B = 8 pass's proposals most differed from the sequence at its first token.
         refine_beam: Prefixes kept per sequence in refinement (None: `beam`). With the other sequences' inputs known,
             the span test is nearly a membership test, so a narrower beam may keep what a wide one finds.
         refine_shortlist: Extensions per sequence scored by every site in refinement (None: `shortlist`).
@@ -137,6 +146,7 @@ class BatchedOptions(OptionGroup):
     refine_resume: bool = False
     refine_in_turn: bool = False
     regrow: int | None = None
+    restart_first_tokens: int = 0
     screen_sites: int = 8
     shortlist: int = 64
     first_site_shortlist: int | None = None
@@ -178,6 +188,8 @@ class BatchedOptions(OptionGroup):
             raise ValueError(f"beam={self.beam} must be >= 1")
         if self.refine is not None and self.refine < 0:
             raise ValueError(f"refine={self.refine} must be >= 0 (or null: 2B with the simulation, else B / 2)")
+        if self.restart_first_tokens < 0:
+            raise ValueError(f"restart_first_tokens={self.restart_first_tokens} must be >= 0 (0: none)")
         if self.regrow is not None and self.regrow < 0:
             raise ValueError(f"regrow={self.regrow} must be >= 0 (or null: B / 4)")
         if self.refine_beam is not None and self.refine_beam < 1:
@@ -221,6 +233,8 @@ class BatchedResult:
     kept_per_pass: list[int] = field(default_factory=list)
     #: Each regrowth attempt: (the sequences grown again, whether kept).
     regrown: list[tuple[list[int], bool]] = field(default_factory=list)
+    #: Each restart from other first tokens (`BatchedOptions.restart_first_tokens`): (the sequences tried, those taken).
+    restarted: list[tuple[list[int], list[int]]] = field(default_factory=list)
     #: None: no second search; else whether the second scorer's result was kept.
     second_opinion: bool | None = None
     #: The search's result not kept, when a second search ran (for measurements of the choice).
@@ -373,6 +387,7 @@ class BatchedLoRA:
         state = _Refit(sequences, labels, simulate(sequences) if checked and (passes or attempts) else None, flat)
         kept_per_pass: list[int] = []
         regrown: list[tuple[list[int], bool]] = []
+        restarted: list[tuple[list[int], list[int]]] = []
         for attempt in range(attempts + 1):
             kept_per_pass += self._refine(state, refining, bag, refine_lm, passes, simulate, clock, trace, cache)
             clock.lap("refine")
@@ -382,11 +397,17 @@ class BatchedLoRA:
             regrown.append((doubtful, kept))
             clock.lap("regrow")
             trace.add("regrow", clock.elapsed, state.sequences)
+            if not kept and self.options.restart_first_tokens:
+                tried, taken = self._restart(state, refining, bag, length, refine_lm, simulate, cache)
+                restarted.append((tried, taken))
+                kept = bool(taken)
+                clock.lap("restart")
+                trace.add("restart", clock.elapsed, state.sequences)
             if not kept:
                 break
         sequences, labels, current = state.sequences, state.labels, state.current
         result = BatchedResult(sequences, margins, bag, seconds=clock.seconds, kept_per_pass=kept_per_pass,
-                               regrown=regrown, trace=trace.points)
+                               regrown=regrown, restarted=restarted, trace=trace.points)
         if checked:
             # `current` (when refinement ran) already holds the simulated updates of `sequences`.
             current = simulate(sequences) if current is None else current
@@ -482,6 +503,46 @@ class BatchedLoRA:
                                   labels=labels, fixed=fixed, cache=cache, **self._screen)
         kept = state.replace(dict(zip(doubtful, grown)), simulate(grown), dict(zip(doubtful, labels)))
         return doubtful, kept
+
+
+    def _restart(self, state: _Refit, scorer: SpanScorer, bag: list[int], length: int, lm_weight: float,
+                 simulate: Callable[[list[list[int]]], Tensor],
+                 cache: ExtensionCache | None = None) -> tuple[list[int], list[int]]:
+        """The sequences the refit explains least, each grown again on its own from other first tokens
+        (`BatchedOptions.restart_first_tokens`), the others' inputs known; each takes its variant of lowest refit
+        residual where that lowers the residual (in `state`). Returns (the sequences tried, those taken)."""
+        batch_size = len(state.sequences)
+        doubtful = state.least_explained(max(2, batch_size // 2))
+        others = others_inputs(sequence_inputs(self.target, self.sites, state.sequences))
+        lm, _, device = decoder(self.target)
+        tokens = torch.tensor(bag, dtype=torch.long, device=device)
+        first = [h[:, 0] for h in capture_site_inputs(self.target, self.sites, lambda: lm(tokens[:, None]))]
+        owners, starts = [], []
+        for i in doubtful:
+            ranked = scorer.score(first, scorer.deflate(scorer.known(others[i]))).argsort(descending=True).tolist()
+            alternatives = [bag[j] for j in ranked if bag[j] != state.sequences[i][0]][: self.options.restart_first_tokens]
+            owners += [i] * len(alternatives)
+            starts += [[t] for t in alternatives]
+        if not starts:
+            return doubtful, []
+        labels: list[list[int]] = []
+        grown, _ = grow_sequences(self.target, self.sites, scorer, bag, len(starts), length, lm_weight,
+                                  others=[others[i] for i in owners], prefixes=starts,
+                                  label_candidates=self.options.label_candidates, labels=labels, cache=cache,
+                                  **self._refinement)
+        simulated = simulate(grown)
+        taken = []
+        for i in doubtful:
+            rows = [r for r, owner in enumerate(owners) if owner == i]
+            residuals = []
+            for r in rows:
+                trial = state.current.clone()
+                trial[i] = simulated[r]
+                residuals.append(least_squares_check(state.flat, trial)[0])
+            best = rows[min(range(len(rows)), key=residuals.__getitem__)]
+            if state.replace({i: grown[best]}, simulated[best : best + 1], {i: labels[best]}):
+                taken.append(i)
+        return doubtful, taken
 
 
 class _Refit:

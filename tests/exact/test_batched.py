@@ -755,6 +755,79 @@ def test_a_pass_in_turn_regrows_each_sequence_against_the_ones_it_kept_before(mo
         BatchedOptions(refine_in_turn=True, refine_resume=True)
 
 
+def restart_setup(seed: int = 21, batch: int = 3):
+    """An attack with restarts from 4 other first tokens, on a B = 3 update (L = 5), and the refit state of its true
+    sequences (last tokens the LM's guesses, so not certified)."""
+    from exact.batched import BatchedLoRA, BatchedOptions
+    from exact.batched.attack import _Refit
+
+    pipe, ids, update, flat, simulate, sites, whitening = checked_batch_of(batch, seed)
+    attack = BatchedLoRA(pipe.target, list(pipe.names), whitening,
+                         BatchedOptions(label_candidates=1, beam=2, restart_first_tokens=4))
+    rows = [site.rows(update).double() for site in attack.sites]
+    bag = attack.bag(update, rows, batch, 5)
+    scorer = SpanScorer(rows, whitening.sites)
+    truth = ids.tolist()
+
+    def state_of(sequences):
+        return _Refit([list(s) for s in sequences], [[s[-1]] for s in sequences], simulate(sequences), flat)
+
+    return attack, scorer, bag, truth, simulate, state_of
+
+
+def test_a_restart_from_another_first_token_repairs_a_sequence_that_began_wrong():
+    attack, scorer, bag, truth, simulate, state_of = restart_setup()
+    assert set(t for s in truth for t in s[:-1]) <= set(bag)  # the bag holds every input, so the repair can be made
+    wrong = [list(s) for s in truth]
+    wrong[1] = [next(t for t in bag if t != truth[1][0])] + [next(t for t in bag if t != x) for x in truth[1][1:]]
+    state = state_of(wrong)
+    before = state.residual
+    tried, taken = attack._restart(state, scorer, bag, 5, 0.0, simulate)  # no prior: the tiny model's is noise
+    assert 1 in tried and taken == [1] and state.residual < before
+    assert state.sequences[1][:-1] == truth[1][:-1]  # its inputs found again from the true first token
+    assert [state.sequences[i] for i in (0, 2)] == [truth[i] for i in (0, 2)]
+
+
+def test_a_restart_takes_nothing_that_raises_the_residual():
+    attack, scorer, bag, truth, simulate, state_of = restart_setup()
+    state = state_of(truth)  # the true sequences: every other first token only raises the residual
+    before = (list(map(list, state.sequences)), state.residual)
+    tried, taken = attack._restart(state, scorer, bag, 5, 0.0, simulate)
+    assert len(tried) == 2 and taken == [] and (state.sequences, state.residual) == before
+
+
+def test_restarts_run_when_a_regrowth_is_refused_and_count_as_its_attempt(monkeypatch):
+    import exact.batched.attack as attack_module
+    from exact.batched import BatchedLoRA, BatchedOptions
+
+    pipe, ids, update, flat, simulate, sites, whitening = checked_batch_of(4, 21)
+    truth = ids.tolist()
+    wrong = [[(t + 1) % VOCAB for t in s] for s in truth]
+    monkeypatch.setattr(attack_module, "grow_sequences", lambda *a, **k: (
+        [list(s) for s in wrong], [[0.0] * 5 for _ in wrong]))
+    monkeypatch.setattr(attack_module, "refine_sequences", lambda *a, **k: [list(s) for s in a[4]])
+    calls = []
+
+    def taken_once(self, state, *args):
+        calls.append(len(calls))
+        return [0, 1], [0] if len(calls) == 1 else []
+
+    monkeypatch.setattr(BatchedLoRA, "_restart", taken_once)
+    for restarts, expected in ((0, 0), (3, 2)):
+        calls.clear()
+        attack = BatchedLoRA(pipe.target, list(pipe.names), whitening,
+                             BatchedOptions(label_candidates=1, beam=2, refine=2, regrow=3,
+                                            restart_first_tokens=restarts))
+        result = attack.attack(update, 4, 5, simulate, flat)
+        # Refinement keeps nothing and every regrowth of the same wrong sequences is refused: without restarts the
+        # first refusal ends it; with them, the first restart's taken sequence sends it back to refinement, and the
+        # second restart, which takes none, ends it.
+        assert len(calls) == expected and len(result.regrown) == max(1, expected)
+        assert result.restarted == [([0, 1], [0]), ([0, 1], [])][:expected]
+    with pytest.raises(ValueError, match="restart_first_tokens=-1 must be >= 0"):
+        BatchedOptions(restart_first_tokens=-1)
+
+
 def test_a_sequence_grown_from_a_given_prefix_keeps_it_and_a_greedy_regrowth_resumed_from_its_own_prefix_repeats_it():
     """With the others' inputs known a sequence grows on its own, so a greedy (beam 1) regrowth resumed after q of
     its own tokens makes the choices it made from the start; an empty prefix is the search without one."""

@@ -164,7 +164,8 @@ def result_row(found, ids: torch.Tensor, decode, seconds: float) -> dict:
            "exact": scores["exact_fraction"], "seconds": seconds, "residual": found.residual,
            "certified": found.certified, "phase_seconds": {k: round(v, 2) for k, v in found.seconds.items()},
            "second_opinion": found.second_opinion, "kept_per_pass": found.kept_per_pass,
-           "regrown": [[doubtful, kept] for doubtful, kept in found.regrown], "extensions": found.extensions}
+           "regrown": [[doubtful, kept] for doubtful, kept in found.regrown],
+           "restarted": [[tried, taken] for tried, taken in found.restarted], "extensions": found.extensions}
     # Token accuracy after each step of the search kept (its last tokens the LM's guesses, before the refit's labels).
     row["trace"] = [[step, round(at, 2), batch_token_accuracy(sequences, ids, decode)] for step, at, sequences in found.trace]
     if found.other is not None:  # what the choice between the two searches gained or lost
@@ -263,6 +264,7 @@ def batched_fields(attack, args, options: BatchedOptions, weights, other, split:
             "refine_beam": options.refine_beam, "refine_shortlist": options.refine_shortlist,
             "refine_screen_sites": options.refine_screen_sites, "refine_scorer": options.refine_scorer,
             "refine_resume": options.refine_resume, "refine_in_turn": options.refine_in_turn,
+            "restart_first_tokens": options.restart_first_tokens,
             "regrow": options.regrow_attempts(batch) if checked else 0,
             "screen_sites": args.screen_sites, "shortlist": args.shortlist,
             "first_site_shortlist": options.first_site_cut(args.shortlist),
@@ -313,6 +315,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--refine-resume", action="store_true",
                         help="refinement passes resume each sequence after the prefix the screen confirms (a pass from "
                              "the start when one keeps none)")
+    parser.add_argument("--restart-first-tokens", type=int, default=BatchedOptions.restart_first_tokens,
+                        help="when a regrowth is refused, the doubtful sequences grown again from this many other "
+                             "first tokens each (0: none)")
     parser.add_argument("--refine-in-turn", action="store_true",
                         help="refinement passes regrow the sequences one at a time, each against the others as they "
                              "stand (kept or not before the next)")
@@ -358,7 +363,7 @@ def main(argv: list[str] | None = None) -> None:
                              refine_beam=args.refine_beam, refine_shortlist=args.refine_shortlist,
                              refine_screen_sites=args.refine_screen_sites, refine_scorer=args.refine_scorer,
                              refine_resume=args.refine_resume, refine_in_turn=args.refine_in_turn,
-                             regrow=args.regrow,
+                             restart_first_tokens=args.restart_first_tokens, regrow=args.regrow,
                              screen_sites=args.screen_sites, shortlist=args.shortlist,
                              first_site_shortlist=args.first_site_shortlist,
                              screen_precision=args.screen_precision, extension_cache_gib=args.extension_cache_gib,
