@@ -605,10 +605,31 @@ def test_the_first_site_cut_must_exceed_the_shortlist():
     for cut, options in ((64, {}), (-1, {}), (100, dict(refine_shortlist=100))):
         with pytest.raises(ValueError, match=f"first_site_shortlist={cut} must be 0"):
             BatchedOptions(first_site_shortlist=cut, **options)
-    assert BatchedOptions(first_site_shortlist=128).first_site_cut(64) == 128
-    assert BatchedOptions(first_site_shortlist=0).first_site_cut(64) == 0
-    # The default follows the shortlist, so a wider shortlist is no error.
-    assert BatchedOptions(shortlist=200).first_site_cut(200) == 400 and BatchedOptions().first_site_cut(64) == 128
+    assert BatchedOptions(first_site_shortlist=128).first_site_cut(64, 16) == 128
+    assert BatchedOptions(first_site_shortlist=0).first_site_cut(64, 4) == 0
+    # The default follows the shortlist, so a wider shortlist is no error; above B = 4 it makes no cut.
+    assert BatchedOptions(shortlist=200).first_site_cut(200, 4) == 400 and BatchedOptions().first_site_cut(64, 1) == 128
+    assert BatchedOptions().first_site_cut(64, 5) == 0
+
+
+def test_the_attack_cuts_by_the_first_site_by_default_at_b_4_and_not_above(monkeypatch):
+    import exact.batched.attack as attack_module
+    from exact.batched import BatchedLoRA, BatchedOptions
+
+    for batch, expected in ((4, 128), (5, 0)):
+        pipe, ids, update, flat, simulate, sites, whitening = checked_batch_of(batch, 21)
+        cuts = []
+
+        def recorded(*args, first_site_shortlist=None, **kwargs):
+            cuts.append(first_site_shortlist)
+            return [list(s) for s in ids.tolist()], [[0.0] * 5 for _ in range(batch)]
+
+        monkeypatch.setattr(attack_module, "grow_sequences", recorded)
+        monkeypatch.setattr(attack_module, "refine_sequences", lambda *a, first_site_shortlist=None, **k: (
+            cuts.append(first_site_shortlist) or [list(s) for s in a[4]]))
+        attack = BatchedLoRA(pipe.target, list(pipe.names), whitening, BatchedOptions(label_candidates=1, refine=1))
+        attack.attack(update, batch, 5, simulate, flat)
+        assert cuts and set(cuts) == {expected}  # the search's and refinement's
 
 
 def test_site_weights_weigh_the_terms_and_a_wrong_count_is_refused():

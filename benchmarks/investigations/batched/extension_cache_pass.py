@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
         before = (cache.computed, cache.reused)
         began = time.perf_counter()
         results.append(refine_sequences(bench.target, attack.sites, scorer, bag, sequences, options.lm_weight,
-                                        cache=used, **attack._refinement))
+                                        cache=used, **attack._refinement(batch)))
         row[f"{name}_seconds"] = round(time.perf_counter() - began, 1)
         if used is not None:
             row[f"{name}_extensions"] = {"computed": cache.computed - before[0], "reused": cache.reused - before[1]}

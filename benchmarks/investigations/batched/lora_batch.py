@@ -267,7 +267,7 @@ def batched_fields(attack, args, options: BatchedOptions, weights, other, split:
             "restart_first_tokens": options.restart_first_tokens,
             "regrow": options.regrow_attempts(batch) if checked else 0,
             "screen_sites": args.screen_sites, "shortlist": args.shortlist,
-            "first_site_shortlist": options.first_site_cut(args.shortlist),
+            "first_site_shortlist": options.first_site_cut(args.shortlist, batch),
             "screen_precision": args.screen_precision, "extension_cache_gib": args.extension_cache_gib,
             "scorer": args.scorer, "scorer_batch_sizes": list(weights.batch_sizes) if weights else None,
             "second_opinion_batch_sizes": list(other.batch_sizes) if other else None,
@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="extensions per sequence scored by every site after the screen")
     parser.add_argument("--first-site-shortlist", type=int, default=BatchedOptions.first_site_shortlist,
                         help="extensions per sequence the first site alone keeps before the screen (default: twice "
-                             "the shortlist; 0: none)")
+                             "the shortlist at B <= 4, none above; 0: none)")
     parser.add_argument("--screen-precision", default=BatchedOptions.screen_precision, choices=SCREEN_PRECISIONS,
                         help="the screen's forward pass precision (bfloat16: a copy of the model with bfloat16 weights)")
     parser.add_argument("--extension-cache-gib", type=float, default=BatchedOptions.extension_cache_gib,
