@@ -847,6 +847,9 @@ def test_restarts_run_when_a_regrowth_is_refused_and_count_as_its_attempt(monkey
         assert result.restarted == [([0, 1], [0]), ([0, 1], [])][:expected]
     with pytest.raises(ValueError, match="restart_first_tokens=-1 must be >= 0"):
         BatchedOptions(restart_first_tokens=-1)
+    # By default 4 above B = 4, none up to it; a set value whatever B.
+    assert [BatchedOptions().restarts(b) for b in (1, 4, 5, 8, 16)] == [0, 0, 4, 4, 4]
+    assert BatchedOptions(restart_first_tokens=2).restarts(4) == 2 and BatchedOptions(restart_first_tokens=0).restarts(8) == 0
 
 
 def test_a_sequence_grown_from_a_given_prefix_keeps_it_and_a_greedy_regrowth_resumed_from_its_own_prefix_repeats_it():

@@ -264,7 +264,7 @@ def batched_fields(attack, args, options: BatchedOptions, weights, other, split:
             "refine_beam": options.refine_beam, "refine_shortlist": options.refine_shortlist,
             "refine_screen_sites": options.refine_screen_sites, "refine_scorer": options.refine_scorer,
             "refine_resume": options.refine_resume, "refine_in_turn": options.refine_in_turn,
-            "restart_first_tokens": options.restart_first_tokens,
+            "restart_first_tokens": options.restarts(batch),
             "regrow": options.regrow_attempts(batch) if checked else 0,
             "screen_sites": args.screen_sites, "shortlist": args.shortlist,
             "first_site_shortlist": options.first_site_cut(args.shortlist, batch),
@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
                              "the start when one keeps none)")
     parser.add_argument("--restart-first-tokens", type=int, default=BatchedOptions.restart_first_tokens,
                         help="when a regrowth is refused, the doubtful sequences grown again from this many other "
-                             "first tokens each (0: none)")
+                             "first tokens each (default: 4 above B = 4; 0: none)")
     parser.add_argument("--refine-in-turn", action="store_true",
                         help="refinement passes regrow the sequences one at a time, each against the others as they "
                              "stand (kept or not before the next)")
