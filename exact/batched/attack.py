@@ -83,7 +83,7 @@ class BatchedOptions(OptionGroup):
             than the residual as it stands; if one is taken, refinement runs again (counting as a regrowth attempt).
             None: 4 at B > `RESTARTS_ABOVE`, none at smaller B; 0: none. A search that commits to a wrong first token
             deflates every later choice by it, and refinement rarely leaves that. Chosen on the auxiliary tail: at
-            B = 8 restarts took the attack from 58.3% to 76.0% (three updates, in about 1.6 times the time); at B = 4
+            B = 8 restarts took the attack from 58.3% to 76.0% (three updates, in about 1.7 times the time); at B = 4
             they took nothing on four updates already read at 92–97% and cost 23–28 s each.
         refine_beam: Prefixes kept per sequence in refinement (None: `beam`). With the other sequences' inputs known,
             the span test is nearly a membership test, so a narrower beam may keep what a wide one finds.
@@ -259,7 +259,7 @@ class BatchedResult:
     #: The search's result not kept, when a second search ran (for measurements of the choice).
     other: BatchedResult | None = None
     #: The sequences after each step, as (step, seconds since the attack began, sequences): "search", then each
-    #: refinement pass ("refine") and regrowth attempt ("regrow"); their last tokens are the LM's guesses, before the
+    #: refinement pass ("refine"), regrowth attempt ("regrow") and restart ("restart"); their last tokens are the LM's guesses, before the
     #: refit chooses the labels. A curve of what each step bought, at what time.
     trace: list[tuple[str, float, list[list[int]]]] = field(default_factory=list)
     #: With an extension cache: the extensions the attack ran through the model ("computed") and those it reused.
@@ -531,6 +531,8 @@ class BatchedLoRA:
         residual where that lowers the residual (in `state`). Returns (the sequences tried, those taken)."""
         batch_size = len(state.sequences)
         doubtful = state.least_explained(max(2, batch_size // 2))
+        if length < 3:  # a restart keeps a first token and grows the inputs after it: there are none
+            return doubtful, []
         others = others_inputs(sequence_inputs(self.target, self.sites, state.sequences))
         lm, _, device = decoder(self.target)
         tokens = torch.tensor(bag, dtype=torch.long, device=device)
@@ -552,6 +554,8 @@ class BatchedLoRA:
         taken = []
         for i in doubtful:
             rows = [r for r, owner in enumerate(owners) if owner == i]
+            if not rows:  # the bag held no other first token
+                continue
             residuals = []
             for r in rows:
                 trial = state.current.clone()

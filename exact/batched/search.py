@@ -872,13 +872,13 @@ def refine_sequences(target: nn.Module, sites: list[Site], scorer: SpanScorer, b
     `only`: the indices of the sequences grown again (default: all); the others are returned as they are, and each
     chosen one grows as it would in a pass of all (a pass regrowing one sequence at a time: `BatchedOptions.
     refine_in_turn`)."""
-    if len(sequences) < 2:
-        return [list(s) for s in sequences]
     if only is not None:
         if resume:
             raise ValueError("only and resume do not combine: a resumed pass chooses its sequences itself")
         if not only or any(not 0 <= i < len(sequences) for i in only) or len(set(only)) != len(only):
             raise ValueError(f"only={only} must name distinct sequences among {len(sequences)}")
+    if len(sequences) < 2:
+        return [list(s) for s in sequences]
     inputs = sequence_inputs(target, sites, sequences)
     others = others_inputs(inputs)
     chosen = list(range(len(sequences))) if only is None else sorted(only)

@@ -620,16 +620,17 @@ def test_the_attack_cuts_by_the_first_site_by_default_at_b_4_and_not_above(monke
         pipe, ids, update, flat, simulate, sites, whitening = checked_batch_of(batch, 21)
         cuts = []
 
-        def recorded(*args, first_site_shortlist=None, **kwargs):
+        def recorded(*args, first_site_shortlist=None, **kwargs):  # every token one off: refinement runs
             cuts.append(first_site_shortlist)
-            return [list(s) for s in ids.tolist()], [[0.0] * 5 for _ in range(batch)]
+            return [[(t + 1) % VOCAB for t in s] for s in ids.tolist()], [[0.0] * 5 for _ in range(batch)]
 
         monkeypatch.setattr(attack_module, "grow_sequences", recorded)
         monkeypatch.setattr(attack_module, "refine_sequences", lambda *a, first_site_shortlist=None, **k: (
             cuts.append(first_site_shortlist) or [list(s) for s in a[4]]))
-        attack = BatchedLoRA(pipe.target, list(pipe.names), whitening, BatchedOptions(label_candidates=1, refine=1))
+        attack = BatchedLoRA(pipe.target, list(pipe.names), whitening,
+                             BatchedOptions(label_candidates=1, refine=1, regrow=0))
         attack.attack(update, batch, 5, simulate, flat)
-        assert cuts and set(cuts) == {expected}  # the search's and refinement's
+        assert len(cuts) == 2 and set(cuts) == {expected}  # the search's and refinement's
 
 
 def test_site_weights_weigh_the_terms_and_a_wrong_count_is_refused():
@@ -746,15 +747,25 @@ def test_a_pass_regrowing_some_sequences_grows_each_as_a_pass_of_all_does():
         refine_sequences(pipe.target, sites, scorer, bag, wrong, only=[0], resume=True)
 
 
-def test_a_pass_in_turn_regrows_each_sequence_against_the_ones_it_kept_before(monkeypatch):
+def searched_one_off(monkeypatch, batch: int):
+    """`checked_batch_of(batch, 21)` with the attack's search patched to find every token one off (so refinement
+    and what follows it have everything to repair): (pipeline, update, flat update, simulation, whitening, the true
+    sequences, the searched ones)."""
     import exact.batched.attack as attack_module
-    from exact.batched import BatchedLoRA, BatchedOptions
 
-    pipe, ids, update, flat, simulate, sites, whitening = checked_batch_of(3, 21)
+    pipe, ids, update, flat, simulate, sites, whitening = checked_batch_of(batch, 21)
     truth = ids.tolist()
     wrong = [[(t + 1) % VOCAB for t in s] for s in truth]
     monkeypatch.setattr(attack_module, "grow_sequences", lambda *a, **k: (
         [list(s) for s in wrong], [[0.0] * 5 for _ in wrong]))
+    return pipe, update, flat, simulate, whitening, truth, wrong
+
+
+def test_a_pass_in_turn_regrows_each_sequence_against_the_ones_it_kept_before(monkeypatch):
+    import exact.batched.attack as attack_module
+    from exact.batched import BatchedLoRA, BatchedOptions
+
+    pipe, update, flat, simulate, whitening, truth, wrong = searched_one_off(monkeypatch, 3)
     seen = []
 
     def one_true(target, sites, scorer, bag, sequences, *args, only=None, **kwargs):
@@ -777,8 +788,8 @@ def test_a_pass_in_turn_regrows_each_sequence_against_the_ones_it_kept_before(mo
 
 
 def restart_setup(seed: int = 21, batch: int = 3):
-    """An attack with restarts from 4 other first tokens, on a B = 3 update (L = 5), and the refit state of its true
-    sequences (last tokens the LM's guesses, so not certified)."""
+    """An attack with restarts from 4 other first tokens, on a B = 3 update (L = 5), and the refit state of given
+    sequences (their last tokens as given)."""
     from exact.batched import BatchedLoRA, BatchedOptions
     from exact.batched.attack import _Refit
 
@@ -811,7 +822,12 @@ def test_a_restart_from_another_first_token_repairs_a_sequence_that_began_wrong(
 
 def test_a_restart_takes_nothing_that_raises_the_residual():
     attack, scorer, bag, truth, simulate, state_of = restart_setup()
-    state = state_of(truth)  # the true sequences: every other first token only raises the residual
+    # The true inputs with one wrong label (not certified, so a variant could lower the residual if it explained the
+    # update better): every other first token only raises it.
+    labelled = [list(s) for s in truth]
+    labelled[0][-1] = (labelled[0][-1] + 1) % VOCAB
+    state = state_of(labelled)
+    assert state.residual > 1e-3
     before = (list(map(list, state.sequences)), state.residual)
     tried, taken = attack._restart(state, scorer, bag, 5, 0.0, simulate)
     assert len(tried) == 2 and taken == [] and (state.sequences, state.residual) == before
@@ -821,11 +837,7 @@ def test_restarts_run_when_a_regrowth_is_refused_and_count_as_its_attempt(monkey
     import exact.batched.attack as attack_module
     from exact.batched import BatchedLoRA, BatchedOptions
 
-    pipe, ids, update, flat, simulate, sites, whitening = checked_batch_of(4, 21)
-    truth = ids.tolist()
-    wrong = [[(t + 1) % VOCAB for t in s] for s in truth]
-    monkeypatch.setattr(attack_module, "grow_sequences", lambda *a, **k: (
-        [list(s) for s in wrong], [[0.0] * 5 for _ in wrong]))
+    pipe, update, flat, simulate, whitening, truth, wrong = searched_one_off(monkeypatch, 4)
     monkeypatch.setattr(attack_module, "refine_sequences", lambda *a, **k: [list(s) for s in a[4]])
     calls = []
 

@@ -264,7 +264,7 @@ def batched_fields(attack, args, options: BatchedOptions, weights, other, split:
             "refine_beam": options.refine_beam, "refine_shortlist": options.refine_shortlist,
             "refine_screen_sites": options.refine_screen_sites, "refine_scorer": options.refine_scorer,
             "refine_resume": options.refine_resume, "refine_in_turn": options.refine_in_turn,
-            "restart_first_tokens": options.restarts(batch),
+            "restart_first_tokens": options.restarts(batch) if checked else 0,
             "regrow": options.regrow_attempts(batch) if checked else 0,
             "screen_sites": args.screen_sites, "shortlist": args.shortlist,
             "first_site_shortlist": options.first_site_cut(args.shortlist, batch),
