@@ -259,8 +259,8 @@ class BatchedResult:
     #: The search's result not kept, when a second search ran (for measurements of the choice).
     other: BatchedResult | None = None
     #: The sequences after each step, as (step, seconds since the attack began, sequences): "search", then each
-    #: refinement pass ("refine"), regrowth attempt ("regrow") and restart ("restart"); their last tokens are the LM's guesses, before the
-    #: refit chooses the labels. A curve of what each step bought, at what time.
+    #: refinement pass ("refine"), regrowth attempt ("regrow") and restart ("restart"); their last tokens are the LM's
+    #: guesses, before the refit chooses the labels. A curve of what each step bought, at what time.
     trace: list[tuple[str, float, list[list[int]]]] = field(default_factory=list)
     #: With an extension cache: the extensions the attack ran through the model ("computed") and those it reused.
     extensions: dict[str, int] = field(default_factory=dict)
@@ -522,7 +522,6 @@ class BatchedLoRA:
         kept = state.replace(dict(zip(doubtful, grown)), simulate(grown), dict(zip(doubtful, labels)))
         return doubtful, kept
 
-
     def _restart(self, state: _Refit, scorer: SpanScorer, bag: list[int], length: int, lm_weight: float,
                  simulate: Callable[[list[list[int]]], Tensor],
                  cache: ExtensionCache | None = None) -> tuple[list[int], list[int]]:
@@ -556,12 +555,7 @@ class BatchedLoRA:
             rows = [r for r, owner in enumerate(owners) if owner == i]
             if not rows:  # the bag held no other first token
                 continue
-            residuals = []
-            for r in rows:
-                trial = state.current.clone()
-                trial[i] = simulated[r]
-                residuals.append(least_squares_check(state.flat, trial)[0])
-            best = rows[min(range(len(rows)), key=residuals.__getitem__)]
+            best = min(rows, key=lambda r: state.trial({i: simulated[r]})[1])
             if state.replace({i: grown[best]}, simulated[best : best + 1], {i: labels[best]}):
                 taken.append(i)
         return doubtful, taken
@@ -585,10 +579,7 @@ class _Refit:
     def replace(self, sequences: dict[int, list[int]], simulated: Tensor, labels: dict[int, list[int]]) -> bool:
         """Sequences `sequences` {index: tokens} (their simulated updates the rows of `simulated`, in order) put in
         together if that lowers the residual; returns whether they were."""
-        trial = self.current.clone()
-        for row, i in enumerate(sequences):
-            trial[i] = simulated[row]
-        after = least_squares_check(self.flat, trial)[0]
+        trial, after = self.trial({i: simulated[row] for row, i in enumerate(sequences)})
         if not after < self.residual:
             return False
         for i, tokens in sequences.items():
@@ -597,6 +588,13 @@ class _Refit:
                 self.labels[i] = labels[i]
         self.current, self.residual = trial, after
         return True
+
+    def trial(self, rows: dict[int, Tensor]) -> tuple[Tensor, float]:
+        """The simulated updates with rows {index: simulated update} put in, and the refit residual by them."""
+        trial = self.current.clone()
+        for i, row in rows.items():
+            trial[i] = row
+        return trial, least_squares_check(self.flat, trial)[0]
 
     def least_explained(self, count: int) -> list[int]:
         """The `count` sequences whose removal from the refit raises the residual least (sorted indices)."""
