@@ -630,6 +630,11 @@ class _Trace:
             self.on_step(self.prefix + step, seconds, [list(s) for s in sequences])
 
 
+#: A least-squares fit of more entries (D x B) than this is solved by its normal equations: cuSOLVER's QR refuses
+#: it (a GPT-2 12 x 768 update of B = 64, about 1.9e9 entries, fails in its 32-bit workspace sizes).
+LSTSQ_ENTRIES = 2**27
+
+
 class _Clock:
     """Each phase's wall time, and the time since `began` (default: now)."""
 
@@ -652,9 +657,25 @@ def least_squares_check(update: Tensor, per_sequence: Tensor) -> tuple[float, li
     """Fit the flat update (D,) by the sequences' own updates (B, D): (relative residual, coefficients)."""
     a = per_sequence.double().T  # (D, B)
     b = update.double().reshape(-1, 1)
-    coefficients = torch.linalg.lstsq(a, b).solution
+    if a.numel() < LSTSQ_ENTRIES:
+        coefficients = torch.linalg.lstsq(a, b).solution
+    else:
+        coefficients = _normal_equations(a, b)
     residual = float((a @ coefficients - b).norm() / b.norm().clamp_min(1e-300))
     return residual, coefficients.flatten().tolist()
+
+
+def _normal_equations(a: Tensor, b: Tensor) -> Tensor:
+    """The least-squares solution (B, 1) of a (D, B) x = b (D, 1) from the (B, B) normal equations, solved
+    rank-revealing (two equal sequences make them singular), with one step of iterative refinement (the residual's
+    correlations solved again), which recovers what squaring the condition number loses."""
+    gram = (a.T @ a).cpu()
+
+    def solve(right: Tensor) -> Tensor:
+        return torch.linalg.lstsq(gram, (a.T @ right).cpu(), driver="gelsd").solution.to(a.device)
+
+    coefficients = solve(b)
+    return coefficients + solve(b - a @ coefficients)
 
 
 def merge_searches(update: Tensor, simulate: Callable[[list[list[int]]], Tensor], kept: list[list[int]],

@@ -42,6 +42,10 @@ ROW_SPACE_TOLERANCE = 1e-5
 #: Inputs whose whitened singular values fall below this fraction of the largest are duplicates of others.
 KNOWN_TOLERANCE = 1e-6
 LOG_FLOOR = 1e-12
+#: Row spaces of more rows than this (a full-weight site: GPT-2's MLP down-projection has 768) are found from
+#: their Gram matrix, about 4 times faster than an SVD at 768 rows; the LoRA sites (2r rows) keep the SVD, so
+#: their searches round as they always did.
+GRAM_ABOVE = 256
 
 
 def _basis(matrix: Tensor, tolerance: float, reference: float | None = None) -> Tensor:
@@ -54,12 +58,28 @@ def _basis(matrix: Tensor, tolerance: float, reference: float | None = None) -> 
     return left[:, values > tolerance * top] if top > 0 else left[:, :0]
 
 
-def _bases(matrices: Tensor, tolerance: float, references: Tensor | None = None) -> list[Tensor]:
-    """`_basis` of each of the matrices (S, d, n) at once (one batched SVD)."""
-    left, values, _ = torch.linalg.svd(matrices, full_matrices=False)
+def _bases(matrices: Tensor, tolerance: float, references: Tensor | None = None, gram: bool = False) -> list[Tensor]:
+    """`_basis` of each of the matrices (S, d, n) at once (one batched SVD; `gram`: `_gram_svd`, for a tolerance
+    of 1e-7 or more and d >= n)."""
+    if gram and matrices.shape[-2] >= matrices.shape[-1]:
+        left, values = _gram_svd(matrices)
+    else:
+        left, values, _ = torch.linalg.svd(matrices, full_matrices=False)
     tops = values[:, 0] if references is None else references.to(values)
     keep = (values > tolerance * tops[:, None]) & (tops[:, None] > 0)
     return [left[s][:, keep[s]] for s in range(matrices.shape[0])]
+
+
+def _gram_svd(matrices: Tensor) -> tuple[Tensor, Tensor]:
+    """Left singular vectors (S, d, n) and singular values (S, n), largest first, of matrices (S, d, n), d >= n,
+    from the eigendecomposition of their Gram matrices (n, n). Squaring the singular values squares the
+    condition number, so a direction is resolved down to about 1e-8 of the largest singular value in float64:
+    enough for `ROW_SPACE_TOLERANCE` (1e-5), not for `KNOWN_TOLERANCE`'s duplicates, which stay with the SVD.
+    Vectors of singular values near zero are noise; `_bases` drops them."""
+    values, vectors = torch.linalg.eigh(matrices.transpose(-2, -1) @ matrices)
+    values, vectors = values.flip(-1).clamp_min(0).sqrt(), vectors.flip(-1)
+    left = (matrices @ vectors) / values.clamp_min(torch.finfo(values.dtype).tiny)[..., None, :]
+    return left, values
 
 
 @dataclass
@@ -135,7 +155,8 @@ class SpanScorer:
         ks = [k.to(rows) for k, rows in zip(known.bases, self.rows)]
         left = [rows.T - k @ (k.T @ rows.T) for k, rows in zip(ks, self.rows)]
         if len({x.shape for x in left}) == 1:
-            spans = _bases(torch.stack(left), ROW_SPACE_TOLERANCE, torch.tensor(self.tops, dtype=torch.float64))
+            spans = _bases(torch.stack(left), ROW_SPACE_TOLERANCE, torch.tensor(self.tops, dtype=torch.float64),
+                           gram=left[0].shape[1] > GRAM_ABOVE)
         else:
             spans = [_basis(x, ROW_SPACE_TOLERANCE, top) for x, top in zip(left, self.tops)]
         return list(zip(ks, spans))

@@ -187,3 +187,70 @@ def test_an_update_without_the_first_layer_gradient_is_refused_in_one_line():
     with pytest.raises(ValueError, match="no gradient of the first attention layer") as error:
         attack.attack(update, 2, LENGTH)
     assert "\n" not in str(error.value)
+
+
+def test_the_gram_route_keeps_the_row_space_the_svd_keeps():
+    # Three (200, 40) matrices: 30 directions of singular values from 1 down to 1e-4 and 10 at 1e-9 (the float32
+    # noise of a returned weight), the tolerance's 1e-5 between them. Slow reference: the SVD.
+    from exact.batched.search import ROW_SPACE_TOLERANCE, _bases
+
+    generator = torch.Generator().manual_seed(0)
+    stack = []
+    for _ in range(3):
+        left = torch.linalg.qr(torch.randn(200, 40, generator=generator, dtype=torch.float64))[0]
+        right = torch.linalg.qr(torch.randn(40, 40, generator=generator, dtype=torch.float64))[0]
+        values = torch.cat([torch.logspace(0, -4, 30, dtype=torch.float64), torch.full((10,), 1e-9, dtype=torch.float64)])
+        stack.append(left @ torch.diag(values) @ right.T)
+    matrices = torch.stack(stack)
+    fast = _bases(matrices, ROW_SPACE_TOLERANCE, gram=True)
+    slow = _bases(matrices, ROW_SPACE_TOLERANCE)
+    for basis, reference in zip(fast, slow):
+        assert basis.shape == reference.shape == (200, 30)
+        assert torch.allclose(basis.T @ basis, torch.eye(30, dtype=torch.float64), atol=1e-8)
+        assert torch.allclose(basis @ basis.T, reference @ reference.T, atol=1e-8)
+
+
+def test_a_wide_site_deflated_through_its_gram_matrix_equals_its_svd_deflation(monkeypatch):
+    # GPT-2's 768-row sites take the Gram route (GRAM_ABOVE); the tiny model's 32-row sites are made to take it.
+    from exact.batched import search
+
+    batch = 4
+    pipe = pipeline(batch)
+    names = list(pipe.names)
+    sites = wide_sites(pipe.target, names)
+    whitening = SiteWhitening.fit(pipe.target, sites,
+                                  torch.randint(0, VOCAB, (64, LENGTH), generator=torch.Generator().manual_seed(1)))
+    ids = batch_ids(batch, 5)
+    update, _ = update_of(pipe, ids)
+    scorer = search.SpanScorer([s.rows(update) for s in sites], whitening.sites)
+    inputs = capture_site_inputs(pipe.target, sites, lambda: pipe.target.model(ids))
+    known = [h[:2, :-1].reshape(-1, h.shape[-1]) for h in inputs]  # two of the four sequences known
+    slow = scorer.bases(known)
+    assert all(rows.shape[0] <= search.GRAM_ABOVE for rows in scorer.rows)
+    monkeypatch.setattr(search, "GRAM_ABOVE", 0)
+    fast = scorer.bases(known)
+    for (k, rows), (k_ref, rows_ref) in zip(fast, slow):
+        assert 0 < rows.shape[1] == rows_ref.shape[1] < scorer.rows[0].shape[0]
+        assert torch.equal(k, k_ref)
+        assert torch.allclose(rows @ rows.T, rows_ref @ rows_ref.T, atol=1e-8)
+
+
+@pytest.mark.parametrize("duplicate", [False, True])
+def test_a_fit_too_large_for_one_qr_solves_the_normal_equations_as_the_qr_does(monkeypatch, duplicate):
+    # Slow reference: the QR least squares. A GPT-2 12 x 768 update of B = 64 (about 2e9 entries) takes the normal
+    # equations; this small one is made to. Two equal sequences make them singular: the fit stays exact.
+    from exact.batched import attack
+
+    generator = torch.Generator().manual_seed(0)
+    per_sequence = torch.randn(6, 5000, generator=generator)
+    if duplicate:
+        per_sequence[5] = per_sequence[4]
+    weights = torch.tensor([0.5, 1.0, 2.0, 0.25, 1.5, 1.0], dtype=torch.float64)
+    noise = 1e-3 * torch.randn(5000, generator=generator, dtype=torch.float64)
+    update = weights @ per_sequence.double() + noise
+    slow = attack.least_squares_check(update, per_sequence)
+    monkeypatch.setattr(attack, "LSTSQ_ENTRIES", 0)
+    fast = attack.least_squares_check(update, per_sequence)
+    assert fast[0] == pytest.approx(slow[0], rel=1e-9) and 1e-4 < fast[0] < 1e-2
+    fitted = [torch.tensor(c, dtype=torch.float64) @ per_sequence.double() for c in (fast[1], slow[1])]
+    assert torch.allclose(fitted[0], fitted[1], atol=1e-9)
