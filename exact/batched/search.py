@@ -73,10 +73,10 @@ def _bases(matrices: Tensor, tolerance: float, references: Tensor | None = None,
 def _gram_svd(matrices: Tensor) -> tuple[Tensor, Tensor]:
     """Left singular vectors (S, d, n) and singular values (S, n), largest first, of matrices (S, d, n), d >= n,
     from the eigendecomposition of their Gram matrices (n, n). Squaring the singular values squares the
-    condition number: a vector of singular value s is orthonormal to the others to about eps (top / s)^2, about
-    1e-7 at `ROW_SPACE_TOLERANCE`'s cut (1e-5 of the top), enough for the float32 span terms; not for
-    `KNOWN_TOLERANCE`'s duplicates (1e-6), which stay with the SVD. Vectors of singular values near zero are noise;
-    `_bases` drops them."""
+    condition number: a vector of singular value s is orthonormal to the others to within about eps (top / s)^2,
+    2e-6 at `ROW_SPACE_TOLERANCE`'s cut (1e-5 of the top; about 1e-7 measured at 1.3e-5), enough for the float32
+    span terms; not for `KNOWN_TOLERANCE`'s duplicates (1e-6), which stay with the SVD. Vectors of singular values
+    near zero are noise; `_bases` drops them."""
     values, vectors = torch.linalg.eigh(matrices.transpose(-2, -1) @ matrices)
     values, vectors = values.flip(-1).clamp_min(0).sqrt(), vectors.flip(-1)
     left = (matrices @ vectors) / values.clamp_min(torch.finfo(values.dtype).tiny)[..., None, :]
