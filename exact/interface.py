@@ -23,6 +23,7 @@ from torch import Tensor
 
 from exact.batched import BatchedLoRA, BatchedOptions, SiteWhitening, adapter_sites
 from exact.dager import Dager
+from exact.dager.options import RETURNED_FLOAT32
 from exact.spear import Spear, relu_linear_layer
 from exact.spear.layer import attack_layer
 
@@ -93,12 +94,13 @@ def reads(attack: Attack, batch_size: int) -> bool:
 
 
 class DagerAttack:
-    """DAGER (`exact.dager.Dager`) behind the interface. `trajectory`: the offsets of a multi-step client's
+    """DAGER (`exact.dager.Dager`) behind the interface, by default with the span tests of an update read off float32
+    returned weights (`exact.dager.options.RETURNED_FLOAT32`). `trajectory`: the offsets of a multi-step client's
     local steps (`exact.dager.local_step_offsets`; () for FedSGD). Where the threat model can simulate one
     sequence's update (a FedSGD client in eval mode), certified sequences are peeled off (`Extensions.peel`)."""
 
     def __init__(self, dager: Dager | None = None, trajectory: tuple[float, ...] = (), name: str = "dager") -> None:
-        self.dager = dager or Dager()
+        self.dager = dager or Dager(span=RETURNED_FLOAT32)
         self.trajectory, self.name = tuple(trajectory), name
 
     def attack(self, update: Tensor, threat_model: ThreatModel, batch_size: int) -> Reconstruction:

@@ -833,3 +833,25 @@ def test_lora_batch_setup_makes_the_whitening_once_when_first_read(monkeypatch):
     assert calls == []
     assert bench.whitening == "whitening" and bench.whitening == "whitening"
     assert calls == [("cache", "model", ["site"], "blocks", "abc")]
+
+
+def test_dager_thresholds_margins_put_a_true_tokens_distance_below_every_other_tokens():
+    """`dager_thresholds --margins` on a tiny LoRA Llama's one-sequence update: the true visible tokens lie in the
+    first layer's span (float rounding away), every other token far from it, at the span's rank capped at B (L - 1)."""
+    from datamodules.federated import FedSGDClient, LoRAClient, UpdatePipeline
+    from datamodules.targets import HFCausalLM
+    from exact.dager import Dager
+
+    module = load_benchmark("investigations.batched.dager_thresholds")
+    torch.manual_seed(0)
+    target = HFCausalLM(architecture="llama", config=dict(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=256, max_position_embeddings=64), init_seed=0)
+    pipe = UpdatePipeline(target, client=LoRAClient(rank=8, target_modules=["q_proj", "v_proj"], seed=0,
+                                                    init_b_std=0.02, local=FedSGDClient("eval", 1)))
+    ids = torch.tensor([[5, 17, 200, 42, 9]])
+    update = pipe({"input_ids": ids[None]}, keep_update=True).update[0]
+    split = {name: grads[0].double() for name, grads in pipe.split(update[None]).items()}
+    margins = module.first_layer_margins(Dager(), pipe.target, split, ids, 4)
+    assert margins["rank"] == 4 and margins["true_median"] <= margins["true_max"] < 1e-4
+    assert margins["other_min"] > 0.1

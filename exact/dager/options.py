@@ -199,6 +199,13 @@ class Extensions(OptionGroup):
                              "(the global weights and one more)")
 
 
+#: The span tests for an update read off the float32 weights a client returned, as every server reads it: the
+#: returned weights' rounding is fixed in size while a clipped or small step is not, so a true input's distance to
+#: the gradient's span sits well above the paper's 1e-3 (its simulated gradients have no such rounding), while a
+#: wrong token's stays far beyond 1e-2 (docs/audit.md, "DAGER under fixed clipping": measured on the auxiliary tail).
+RETURNED_FLOAT32 = SpanTests(l1_threshold=1e-2, l2_threshold=1e-2)
+
+
 @dataclass(frozen=True)
 class DagerOptions:
     """Every group of options: what one DAGER run reads."""

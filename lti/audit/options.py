@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from exact.batched import BatchedOptions
-from exact.dager.options import DagerOptions
+from exact.dager.options import RETURNED_FLOAT32, DagerOptions
 from lti.candidates.decoding import DECODERS
 
 FLOWER_DP = ("none", "local_dp", "fixed_clipping")
@@ -106,7 +106,8 @@ class AttackOptions:
         rounds: Rounds whose client updates are attacked (1-based); None: every round; []: none (only the federation runs).
         dager: DAGER on every attacked update (the adapters' lora_A span test).
         dager_search: DAGER's options by group (`exact.dager.options`: span tests and their thresholds, budgets,
-            the causal prefix search, extensions), e.g. `--attacks.dager_search.span.l1_threshold 1e-4`.
+            the causal prefix search, extensions), e.g. `--attacks.dager_search.span.l1_threshold 1e-3` (the
+            paper's; the default is `RETURNED_FLOAT32`'s 1e-2, for updates read off float32 returned weights).
         batched: The batched LoRA attack on every attacked update (`exact.batched`): whitened bag recovery, a
             joint search of the B sequences scored by every layer's whitened span test and the global model's
             prior, and a least-squares check of the result against the update. Needs no trained checkpoint.
@@ -135,7 +136,7 @@ class AttackOptions:
 
     rounds: list[int] | None = None
     dager: bool = True
-    dager_search: DagerOptions = field(default_factory=DagerOptions)
+    dager_search: DagerOptions = field(default_factory=lambda: DagerOptions(span=RETURNED_FLOAT32))
     batched: bool = True
     batched_search: BatchedOptions = field(default_factory=BatchedOptions)
     batched_scorer: str | None = None

@@ -11,6 +11,7 @@ from test_batched import VOCAB, pipeline
 from datamodules.threat_model import ThreatModel
 from exact.batched import BatchedLoRA, BatchedOptions, SiteWhitening, adapter_sites
 from exact.dager import Dager
+from exact.dager.options import RETURNED_FLOAT32
 from exact.interface import Attack, BatchedAttack, DagerAttack, Reconstruction
 
 OPTIONS = BatchedOptions(beam=2, refine=1, label_candidates=4)
@@ -24,13 +25,47 @@ def batch_update(batch: int, seed: int):
     return threat, ids, update
 
 
-def test_dager_behind_the_interface_is_dager():
+def test_dager_behind_the_interface_is_dager_with_the_span_tests_of_float32_returned_weights():
     threat, ids, update = batch_update(1, 0)
     found = DagerAttack().attack(update, threat, 1)
     split = {name: grads[0] for name, grads in threat.pipeline.split(update[None]).items()}
-    direct = Dager().attack(threat.target, split, batch_size=1, max_length=5)
+    direct = Dager(span=RETURNED_FLOAT32).attack(threat.target, split, batch_size=1, max_length=5)
     assert isinstance(DagerAttack(), Attack) and found.sequences == direct.sequences
     assert found.certified_update == direct.exact and len(found.certified) == len(found.sequences)
+    assert DagerAttack().dager.options.span == RETURNED_FLOAT32
+
+
+def returned_float32_update(threat: ThreatModel, gradient: torch.Tensor, lr: float, step_norm: float) -> torch.Tensor:
+    """The update a server reads off float32 weights a client returned after a step of norm `step_norm` along
+    `gradient` (as fixed clipping scales it)."""
+    sent = threat.weights()
+    step = lr * gradient.double()
+    step = step * step_norm / step.norm()
+    returned, start = {}, 0
+    for name in threat.names:
+        size = sent[name].numel()
+        returned[name] = (sent[name].double() - step[start : start + size].view_as(sent[name])).float()
+        start += size
+    return threat.update_from_weights(sent, returned, lr)
+
+
+def test_dager_reads_a_small_step_off_float32_weights_where_the_papers_thresholds_lose_tokens():
+    """The returned weights' rounding is fixed in size, so a small (clipped) step moves true inputs off the span by
+    more than the paper's 1e-3 (up to 1.6e-3 here; the nearest wrong token stays beyond 0.8)."""
+    pipe = pipeline(1)
+    threat = ThreatModel.from_pipeline(pipe, seq_len=5)
+    paper, returned = 0, 0
+    for seed in range(4):
+        ids = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(seed))
+        gradient = pipe({"input_ids": ids[None]}, keep_update=True).update[0]
+        update = returned_float32_update(threat, gradient, lr=0.05, step_norm=1e-3)
+        visible = ids[0, :-1].tolist()  # the last token is a label only
+        read = DagerAttack().attack(update, threat, 1).sequences
+        assert read and read[0][: len(visible)] == visible
+        returned += len(visible)
+        found = DagerAttack(Dager()).attack(update, threat, 1).sequences
+        paper += sum(a == b for a, b in zip(found[0], visible)) if found else 0
+    assert paper < returned - 4
 
 
 def test_the_batched_attack_behind_the_interface_is_the_batched_attack_and_fits_its_whitening_once(tmp_path, monkeypatch):

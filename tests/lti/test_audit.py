@@ -128,6 +128,13 @@ def test_fedavg_clients_return_their_local_steps_and_the_server_reads_their_mean
         client_pipeline(noisy, 2, local_epochs=2)
 
 
+def test_the_audits_dager_reads_updates_with_the_span_tests_of_float32_returned_weights():
+    from exact.dager.options import RETURNED_FLOAT32, SpanTests
+
+    assert AttackOptions().dager_search.span == RETURNED_FLOAT32 != SpanTests()
+    assert RETURNED_FLOAT32.l1_threshold > SpanTests().l1_threshold
+
+
 def test_flower_fixed_clipping_clips_every_update_the_server_sees():
     from flwr.clientapp.mod import fixedclipping_mod
     from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping
