@@ -743,6 +743,7 @@ def test_lora_batch_dager_row_scores_dager_on_the_update_the_batched_attack_read
 
     from datamodules.metrics import score_batch
     from datamodules.threat_model import ThreatModel
+    from exact.dager.options import RETURNED_FLOAT32
     from exact.interface import DagerAttack
 
     module = load_benchmark("investigations.batched.lora_batch")
@@ -758,6 +759,9 @@ def test_lora_batch_dager_row_scores_dager_on_the_update_the_batched_attack_read
         assert row["token_acc"] == scores["correct"] / scores["tokens"] and row["exact"] == scores["exact_fraction"]
         assert row["rouge1"] == scores["rouge1"] and row["mode"] == str(direct.diagnostics.get("mode", "strict"))
         assert row["certified"] == direct.certified_update
+        assert (row["l1_threshold"], row["l2_threshold"]) == (RETURNED_FLOAT32.l1_threshold, RETURNED_FLOAT32.l2_threshold)
+        paper = module.dager_row(update, threat, batch, ids, decode, threshold=1e-3)
+        assert (paper["l1_threshold"], paper["l2_threshold"]) == (1e-3, 1e-3)
         if batch == 1:
             assert direct.sequences[0][:4] == ids[0, :4].tolist() and row["token_acc"] >= 0.8
     # The audit's trajectory: its clients' local steps at lr, t * lr for t = 0, 1; none for FedSGD.

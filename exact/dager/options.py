@@ -202,7 +202,8 @@ class Extensions(OptionGroup):
 #: The span tests for an update read off the float32 weights a client returned, as every server reads it: the
 #: returned weights' rounding is fixed in size while a clipped or small step is not, so a true input's distance to
 #: the gradient's span sits well above the paper's 1e-3 (its simulated gradients have no such rounding), while a
-#: wrong token's stays far beyond 1e-2 (docs/audit.md, "DAGER under fixed clipping": measured on the auxiliary tail).
+#: wrong token's stays far beyond 1e-2 (docs/audit.md, "DAGER's thresholds on float32 returned weights": chosen on
+#: the auxiliary tail).
 RETURNED_FLOAT32 = SpanTests(l1_threshold=1e-2, l2_threshold=1e-2)
 
 

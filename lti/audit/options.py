@@ -106,8 +106,9 @@ class AttackOptions:
         rounds: Rounds whose client updates are attacked (1-based); None: every round; []: none (only the federation runs).
         dager: DAGER on every attacked update (the adapters' lora_A span test).
         dager_search: DAGER's options by group (`exact.dager.options`: span tests and their thresholds, budgets,
-            the causal prefix search, extensions), e.g. `--attacks.dager_search.span.l1_threshold 1e-3` (the
-            paper's; the default is `RETURNED_FLOAT32`'s 1e-2, for updates read off float32 returned weights).
+            the causal prefix search, extensions), e.g. `--attacks.dager_search.span.l1_threshold 1e-3
+            --attacks.dager_search.span.l2_threshold 1e-3` (the paper's; the default is `RETURNED_FLOAT32`'s 1e-2 for
+            both, for updates read off float32 returned weights).
         batched: The batched LoRA attack on every attacked update (`exact.batched`): whitened bag recovery, a
             joint search of the B sequences scored by every layer's whitened span test and the global model's
             prior, and a least-squares check of the result against the update. Needs no trained checkpoint.

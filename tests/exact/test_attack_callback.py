@@ -24,7 +24,8 @@ def test_the_attacks_run_in_an_evaluation_and_dager_scores_as_its_own_callback(t
         "trainer": {"default_root_dir": str(tmp_path / "run"), "callbacks": [
             {"class_path": "exact.callbacks.DagerCallback"},
             {"class_path": "exact.callbacks.AttackCallback", "init_args": {"attacks": [
-                {"class_path": "exact.interface.DagerAttack", "init_args": {"name": "dager_interface"}},
+                {"class_path": "exact.interface.DagerAttack",
+                 "init_args": {"name": "dager_interface", "dager": {"class_path": "exact.Dager"}}},
                 {"class_path": "exact.interface.BatchedAttack",
                  "init_args": {"options": {"beam": 2, "refine": 1, "label_candidates": 4}, "whitening_blocks": 64}},
             ], "max_updates_per_batch": 2}}]},

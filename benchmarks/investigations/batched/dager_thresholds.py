@@ -11,7 +11,7 @@ gradients have no such rounding). For each update (B = `--batch-size` held-out b
 The auxiliary tail by default: settings are chosen there.
 
     python -m benchmarks.investigations.batched.dager_thresholds --batch-size 1 --updates 8 \\
-        --thresholds 1e-3 1e-2 3e-2 --out docs/results/audit/dager_thresholds/auxiliary_tail_b1.jsonl
+        --thresholds 1e-3 1e-2 3e-2 --margins --out docs/results/audit/dager_thresholds/auxiliary_tail_b1.jsonl
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
                     log.write(row)
                 if args.margins:
                     log.write({"B": args.batch_size, "update": k, "split": args.split, "clip_norm": clip,
-                               "margins": first_layer_margins(dager, bench.target, split, ids,
+                               "margins": first_layer_margins(Dager(), bench.target, split, ids,
                                                               args.batch_size * (ids.shape[1] - 1))})
 
 

@@ -174,17 +174,24 @@ def result_row(found, ids: torch.Tensor, decode, seconds: float) -> dict:
     return row
 
 
-def dager_row(update: torch.Tensor, threat, batch: int, ids: torch.Tensor, decode, trajectory: tuple = ()) -> dict:
-    """DAGER (the audit's, its default options) on the same update the batched attack read: its scores, mode and
-    seconds, as the batched attack's are written."""
+def dager_row(update: torch.Tensor, threat, batch: int, ids: torch.Tensor, decode, trajectory: tuple = (),
+              threshold: float | None = None) -> dict:
+    """DAGER (the audit's: `DagerAttack`'s default options, or both span thresholds at `threshold`) on the same update
+    the batched attack read: its scores, mode, thresholds and seconds, as the batched attack's are written."""
     from datamodules.metrics import score_batch
+    from exact.dager import Dager
     from exact.interface import DagerAttack
 
-    found = DagerAttack(trajectory=trajectory).attack(update, threat, batch)
+    dager = None if threshold is None else Dager().with_options(span={"l1_threshold": threshold,
+                                                                      "l2_threshold": threshold})
+    attack = DagerAttack(dager, trajectory=trajectory)
+    found = attack.attack(update, threat, batch)
     scores = score_batch(found.sequences, ids, None, decode, found.certified_update)
+    span = attack.dager.options.span
     return {"token_acc": scores["correct"] / scores["tokens"], "rouge1": scores["rouge1"], "rouge2": scores["rouge2"],
             "exact": scores["exact_fraction"], "certified": found.certified_update,
-            "mode": str(found.diagnostics.get("mode", "strict")), "seconds": round(found.seconds, 2)}
+            "mode": str(found.diagnostics.get("mode", "strict")), "seconds": round(found.seconds, 2),
+            "l1_threshold": span.l1_threshold, "l2_threshold": span.l2_threshold}
 
 
 def merged_row(found, update: torch.Tensor, simulate, ids: torch.Tensor, decode) -> dict | None:
@@ -343,6 +350,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--attacks", nargs="+", choices=["batched", "dager"], default=["batched"],
                         help="the attacks run on each update: the batched attack (its scores at the row's top level) "
                              "and DAGER (the audit's, default options; its scores in the row's `dager`)")
+    parser.add_argument("--dager-threshold", type=float, default=None,
+                        help="DAGER's first- and second-layer span thresholds (default: the audit's, "
+                             "exact.dager.options.RETURNED_FLOAT32; the table's DAGER columns ran at the paper's 1e-3)")
     parser.add_argument("--whitening-blocks", type=int, default=512, help="auxiliary blocks the whitening reads")
     parser.add_argument("--whitening-cache", default="runs/whitening/smollm2_lora.safetensors")
     parser.add_argument("--out", required=True, help="JSONL file: one line per update")
@@ -391,7 +401,7 @@ def main(argv: list[str] | None = None) -> None:
                                               update, simulate, decode, log.run))
                 if "dager" in args.attacks:
                     row["dager"] = dager_row(update, bench.threat, batch, ids, decode,
-                                             bench.trajectory(batch, args.lr, args.local_epochs))
+                                             bench.trajectory(batch, args.lr, args.local_epochs), args.dager_threshold)
                 row.update({"clip_norm": args.clip_norm, "local_epochs": args.local_epochs,
                             "local_dp_epsilon": args.local_dp_epsilon,
                             "local_dp_delta": args.local_dp_delta if args.local_dp_epsilon is not None else None,
