@@ -17,7 +17,6 @@ The auxiliary tail by default: settings are chosen there.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
@@ -40,10 +39,8 @@ def first_layer_margins(dager, target, split: dict, ids: torch.Tensor, rank: int
 
 
 def main(argv: list[str] | None = None) -> None:
-    from benchmarks.investigations.batched.lora_batch import RowLog, Setup
-    from datamodules.metrics import score_batch
+    from benchmarks.investigations.batched.lora_batch import RowLog, Setup, dager_row
     from exact.dager import Dager
-    from exact.interface import DagerAttack
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/audit/inverter_smollm2_lora.yaml", help="the threat model")
@@ -65,15 +62,10 @@ def main(argv: list[str] | None = None) -> None:
             for clip in (None, args.clip_norm):
                 update, split = bench.observed(ids, args.lr, clip)
                 for threshold in args.thresholds:
-                    dager = Dager().with_options(span={"l1_threshold": threshold, "l2_threshold": threshold})
-                    began = time.perf_counter()
-                    found = DagerAttack(dager).attack(update, bench.threat, args.batch_size)
-                    seconds = time.perf_counter() - began
-                    scores = score_batch(found.sequences, ids, None, decode, found.certified_update)
-                    row = {"B": args.batch_size, "update": k, "split": args.split, "clip_norm": clip,
-                           "threshold": threshold, "token_acc": scores["correct"] / scores["tokens"],
-                           "mode": str(found.diagnostics.get("mode", "strict")), "seconds": round(seconds, 2)}
-                    log.write(row)
+                    found = dager_row(update, bench.threat, args.batch_size, ids, decode, threshold=threshold)
+                    log.write({"B": args.batch_size, "update": k, "split": args.split, "clip_norm": clip,
+                               "threshold": threshold, "token_acc": found["token_acc"], "mode": found["mode"],
+                               "seconds": found["seconds"]})
                 if args.margins:
                     log.write({"B": args.batch_size, "update": k, "split": args.split, "clip_norm": clip,
                                "margins": first_layer_margins(Dager(), bench.target, split, ids,
