@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from datamodules.atomic_files import atomic_writer, write_text_atomically
+from datamodules.machine import describe_machine, machine_line, same_machine
 from lti.audit.options import AuditOptions
 
 ATTACK_NAMES = {"dager": "DAGER (lora_A span test)",
@@ -80,6 +81,7 @@ def write_report(out: Path, options: AuditOptions, records: list[dict], learned,
     updates' sequence length and adapters ({"L", "lora_rank", "lora_modules": the adapted modules' names}), stated
     beside B."""
     fed, dp = options.federation, options.flower_dp
+    here = describe_machine()  # the report's own; each round's attacks record theirs (a resumed audit may mix them)
     lines = [
         "# Audit report",
         "",
@@ -100,7 +102,9 @@ def write_report(out: Path, options: AuditOptions, records: list[dict], learned,
            f" (global model's log-probability weighted {pointer.lm_weight}, second-layer span test's score weighted "
            f"{pointer.second_weight})." if pointer.rule == "second_layer" else ".")
         if pointer is not None else "Candidate pointer: none.",
-        f"Wall time of this invocation: {seconds / 60:.1f} min.",
+        f"Wall time of this invocation: {seconds / 60:.1f} min, on {machine_line(here)}.",
+        *[f"Round {record['round']}'s attacks ran on another machine: {machine_line(record['machine'])}."
+          for record in records if record.get("machine") and not same_machine(record["machine"], here)],
         *notes,
         "",
         "Token accuracy, ROUGE-1/2 (F, %) and exact sequences (%) of each attack on the clients' updates of the round;",
@@ -130,7 +134,8 @@ def write_report(out: Path, options: AuditOptions, records: list[dict], learned,
                 lines.append(f"- round {record['round']}, client {sample['client']}, {ATTACK_NAMES.get(name, name)}: "
                              f"`{_one_line(sample['reconstruction'])}` ← `{_one_line(sample['reference'])}`")
     write_text_atomically(out / "report.md", "\n".join(lines) + "\n")
-    write_text_atomically(out / "report.json", json.dumps({"rounds": records, "seconds": seconds, "notes": list(notes),
+    write_text_atomically(out / "report.json", json.dumps({"rounds": records, "seconds": seconds, "machine": here,
+                                                          "notes": list(notes),
                                                           "probe_baseline": probe_baseline,
                                                           "setting": {"B": fed.batch_size, **(shape or {})}},
                                                          indent=1) + "\n")

@@ -514,12 +514,16 @@ class Audit:
                 client, parameter = name.split("/", 1)
                 replies.setdefault(int(client[1:]), {})[parameter] = value
             batches = {int(k[1:]): v for k, v in self.round_file(r, "batches.safetensors").items()}
+            from datamodules.machine import describe_machine
+
             start = time.perf_counter()
             results = self.attacks.attack(sent, replies, batches)
             probe = self.attacks.probe(sent, self.probe_ids) if len(self.probe_ids) else {}
             # A file per set of attack options: scores under other options stay as they were.
             _write_json({"round": r, "options": chosen, "attacks": results, "probe": probe,
-                         "seconds": time.perf_counter() - start}, folder / f"attacks-{key}.json")
+                         "seconds": time.perf_counter() - start,
+                         "machine": describe_machine(next(self.server.target.parameters()).device)},
+                        folder / f"attacks-{key}.json")
 
     def run(self) -> list[dict]:
         """Claims the folder (its lock, then its identity), runs the rounds not recorded, attacks the rounds

@@ -16,6 +16,7 @@ from conftest import REPO  # noqa: E402
 from flwr.app import ArrayRecord  # noqa: E402
 
 from datamodules.federated import FedSGDClient, LoRAClient, UpdatePipeline  # noqa: E402
+from datamodules.machine import machine_line, same_machine  # noqa: E402
 from datamodules.targets import HFCausalLM  # noqa: E402
 from exact.batched import BatchedOptions  # noqa: E402
 from lti.audit.attacks import observed_update  # noqa: E402
@@ -223,6 +224,23 @@ def test_an_audit_writes_its_report_and_every_round(tiny_audit):
     assert "| 2 | DAGER" in report and "## Reconstructions" in report
     # The batched attack's whitening is kept in the folder (one file for this model and auxiliary text).
     assert len(list((out / "whitening").glob("*.safetensors"))) == 1
+    # The machine the times were measured on: the report's, and each round's attacks' (one machine here).
+    assert stored["machine"]["cores"] >= 1 and stored["machine"]["cpu_capability"]
+    assert all(same_machine(record["machine"], stored["machine"]) for record in records)
+    assert f"min, on {machine_line(stored['machine'])}." in report and "ran on another machine" not in report
+
+
+def test_the_report_names_rounds_whose_attacks_ran_on_another_machine(tiny_audit, tmp_path):
+    """A resumed audit may hold rounds attacked elsewhere: their times are of another machine, and the report says so."""
+    from lti.audit.report import write_report
+
+    options, _, records = tiny_audit
+    moved = [dict(record) for record in records]
+    moved[1]["machine"] = {**records[1]["machine"], "cpu_model": "another"}
+    write_report(tmp_path, options, moved, None, 60.0)
+    report = (tmp_path / "report.md").read_text()
+    assert report.count("ran on another machine") == 1
+    assert f"Round 2's attacks ran on another machine: {machine_line(moved[1]['machine'])}." in report
 
 
 def test_a_learned_scorer_fitted_for_another_model_is_refused_and_nothing_is_left(tmp_path):

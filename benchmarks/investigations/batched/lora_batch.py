@@ -210,11 +210,15 @@ def merged_row(found, update: torch.Tensor, simulate, ids: torch.Tensor, decode)
 class RowLog:
     """One JSON line per measured update, appended to `path` (its folder made), flushed and printed as each ends,
     every row stamped with this process's `run` id (a rerun of an update is told apart from an earlier one in the
-    same file; the progress points of `progress_writer` carry the same id). Use as a context manager."""
+    same file; the progress points of `progress_writer` carry the same id) and the machine its seconds were measured
+    on (`datamodules.machine`: two machines of one name differ in speed). Use as a context manager."""
 
     def __init__(self, path: str | Path) -> None:
+        from datamodules.machine import describe_machine
+
         self.path = Path(path)
         self.run = f"{time.strftime('%Y-%m-%dT%H:%M:%S')}-{os.getpid()}"
+        self.machine = describe_machine("cuda" if torch.cuda.is_available() else None)
         self._file = None
 
     def __enter__(self) -> RowLog:
@@ -226,7 +230,7 @@ class RowLog:
         self._file.close()
 
     def write(self, row: dict) -> None:
-        line = json.dumps({"run": self.run, **row})
+        line = json.dumps({"run": self.run, **row, "machine": self.machine})
         self._file.write(line + "\n")
         self._file.flush()
         print(line, flush=True)
