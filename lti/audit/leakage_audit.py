@@ -31,6 +31,7 @@ from flwr.common.logger import log
 from flwr.serverapp.strategy import Strategy
 
 from datamodules.atomic_files import write_text_atomically
+from datamodules.machine import describe_machine
 from datamodules.metrics import ScoreTotals, score_batch
 from datamodules.threat_model import ThreatModel
 from exact.interface import Attack, reads, token_attacks
@@ -148,7 +149,8 @@ class LeakageAudit(ObservedStrategy):
                 "defense": threat.pipeline.defense.describe()}
 
     def _write_summary(self) -> None:
-        summary = {"attacks": {}, "written": time.strftime("%Y-%m-%dT%H:%M:%S"), "threat_model": self._threat_model_record()}
+        summary = {"attacks": {}, "written": time.strftime("%Y-%m-%dT%H:%M:%S"), "threat_model": self._threat_model_record(),
+                   "machine": describe_machine(next(self.threat_model.target.parameters()).device)}
         for name, counts in self._counts.items():
             entry = {**counts, "seconds_per_update": counts["seconds"] / max(1, counts["updates"])}
             if name in self._totals:

@@ -66,6 +66,7 @@ def test_the_wrapper_reads_what_the_clients_sent_and_the_strategy_aggregates_as_
     # What the report was read under, by content (this threat model was built from Python objects: no config).
     assert summary["threat_model"]["config"] is None and summary["threat_model"]["seq_len"] == 6
     assert summary["threat_model"]["observed"] == threat.pipeline.spec.to_dict()
+    assert summary["machine"]["cores"] >= 1 and "cpu_capability" in summary["machine"]  # what the seconds ran on
 
 
 def test_the_wrappers_scores_equal_the_audits_round_attacks_on_the_same_updates(tmp_path, capsys, monkeypatch):
