@@ -1,8 +1,8 @@
-"""What machine a timing was measured on: the processor, the cores this process may use, torch's threads and the
-vector instructions its CPU kernels picked, the GPU if one is used. Recorded beside wall times (the audit's
-report, the investigations' rows), because the same attack takes 1.6 times as long on one 2-core "AMD EPYC" as on
-another that reports the same name (docs/audit.md, "Time"): the family, model and kernel capability tell them
-apart.
+"""What machine a timing was measured on: the processor, the logical CPUs this process may use, torch's threads and
+the vector instructions its CPU kernels picked, the GPU the work ran on. Recorded beside wall times (the audit's
+report, `LeakageAudit`'s summary, the batched investigations' rows), because two 2-core machines that both call
+themselves "AMD EPYC" ran the same four updates at least 1.6 times apart (docs/audit.md, "Time"): the family, model
+and kernel capability tell them apart.
 """
 
 from __future__ import annotations
@@ -13,14 +13,16 @@ from pathlib import Path
 
 import torch
 
-#: /proc/cpuinfo's fields kept: the vendor's name alone does not tell two generations apart.
-_CPUINFO_FIELDS = {"model name": "processor", "cpu family": "cpu_family", "model": "cpu_model"}
+#: /proc/cpuinfo's fields kept (x86, then ARM's names for the same): the vendor's name alone does not tell two
+#: generations apart.
+_CPUINFO_FIELDS = {"model name": "processor", "cpu family": "cpu_family", "model": "cpu_model",
+                   "CPU implementer": "cpu_family", "CPU part": "cpu_model"}
 
 
 def _cpuinfo(path: Path = Path("/proc/cpuinfo")) -> dict[str, str]:
     """The first processor's `_CPUINFO_FIELDS` from a Linux cpuinfo file (empty elsewhere or unreadable)."""
     try:
-        text = path.read_text()
+        text = path.read_text(errors="replace")
     except OSError:
         return {}
     found: dict[str, str] = {}
@@ -34,8 +36,12 @@ def _cpuinfo(path: Path = Path("/proc/cpuinfo")) -> dict[str, str]:
     return found
 
 
-def _usable_cores() -> int:
-    """The cores this process may run on (its affinity where the platform says, else every core)."""
+def usable_cpus() -> int:
+    """The logical CPUs this process may run on: its affinity where the platform says (Python 3.13's
+    `os.process_cpu_count`, else `sched_getaffinity`), else every CPU. A container's CPU quota is not counted."""
+    counted = getattr(os, "process_cpu_count", None)
+    if counted is not None:
+        return counted() or 1
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -44,24 +50,13 @@ def _usable_cores() -> int:
 
 def describe_machine(device: torch.device | str | None = None, cpuinfo: Path = Path("/proc/cpuinfo")) -> dict:
     """JSON-ready facts of this machine for a timing's record. `device`: the device the timed work ran on (a CUDA
-    device adds its name)."""
+    device adds its name; None or a CPU: no GPU named, whatever the machine has)."""
     facts = {"processor": platform.processor() or platform.machine(), **_cpuinfo(cpuinfo),
-             "cores": _usable_cores(), "torch_threads": torch.get_num_threads(),
-             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__}
+             "cpus": usable_cpus(), "torch_threads": torch.get_num_threads(),
+             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": str(torch.__version__)}
     if device is not None and torch.device(device).type == "cuda":
         facts["gpu"] = torch.cuda.get_device_name(torch.device(device))
     return facts
-
-
-#: The facts two records must share to be timings of one machine (a GPU is compared when both name one).
-_IDENTITY = ("processor", "cpu_family", "cpu_model", "cores", "cpu_capability")
-
-
-def same_machine(a: dict, b: dict) -> bool:
-    """Whether two `describe_machine` records are of one machine (as far as timings go)."""
-    if any(a.get(key) != b.get(key) for key in _IDENTITY):
-        return False
-    return "gpu" not in a or "gpu" not in b or a["gpu"] == b["gpu"]
 
 
 def machine_line(facts: dict) -> str:
@@ -69,6 +64,6 @@ def machine_line(facts: dict) -> str:
     cpu = facts.get("processor", "unknown processor")
     if "cpu_family" in facts:
         cpu += f" (family {facts['cpu_family']}, model {facts.get('cpu_model', '?')})"
-    line = (f"{cpu}, {facts.get('cores', '?')} cores, {facts.get('torch_threads', '?')} torch threads, "
+    line = (f"{cpu}, {facts.get('cpus', '?')} CPUs, {facts.get('torch_threads', '?')} torch threads, "
             f"{facts.get('cpu_capability', '?')} kernels, torch {facts.get('torch', '?')}")
     return line + (f"; GPU {facts['gpu']}" if "gpu" in facts else "")

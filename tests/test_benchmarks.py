@@ -545,10 +545,12 @@ def test_lora_batch_progress_appends_each_step_scored_as_it_comes(tmp_path):
         blocked("search", 1.0, [[1, 2, 3, 4], [5, 6, 7, 8]])
 
 
-def test_row_log_appends_rows_stamped_with_one_run_id_per_process(tmp_path, capsys):
+def test_row_log_appends_rows_stamped_with_one_run_id_per_process(tmp_path, capsys, monkeypatch):
     """The batched investigations' rows (`lora_batch`, `device_curve`, `full_weight_gpt2`): appended to the file
     (its folder made), each printed, every row of one process stamped with the same run id, another process's
     rows with its own, and the machine; rows already in the file are kept."""
+    from datamodules.machine import describe_machine
+
     module = load_benchmark("investigations.batched.lora_batch")
     path = tmp_path / "sub" / "rows.jsonl"
     with module.RowLog(path) as log:
@@ -563,8 +565,10 @@ def test_row_log_appends_rows_stamped_with_one_run_id_per_process(tmp_path, caps
     assert [(r["run"], r["update"], r["token_acc"]) for r in rows] == [
         (first, 0, 0.5), ("ignored", 1, 0.75), (first + "-next", 0, 0.25)]
     assert capsys.readouterr().out.count('"token_acc"') == 3
-    # Each row names the machine its seconds were measured on.
-    assert all(r["machine"] == log.machine and r["machine"]["cores"] >= 1 for r in rows)
+    # Each row names the machine its seconds were measured on; a GPU only where the work ran on one.
+    assert all(r["machine"] == describe_machine(None) for r in rows)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "H200")
+    assert "gpu" not in module.RowLog(path).machine and module.RowLog(path, "cuda").machine["gpu"] == "H200"
 
 
 def test_train_scorer_reads_back_the_examples_it_kept_and_refuses_them_for_other_options(tmp_path):

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from datamodules.atomic_files import atomic_writer, write_text_atomically
-from datamodules.machine import describe_machine, machine_line, same_machine
+from datamodules.machine import machine_line
 from lti.audit.options import AuditOptions
 
 ATTACK_NAMES = {"dager": "DAGER (lora_A span test)",
@@ -75,13 +75,13 @@ def plot_privacy_utility(records: list[dict], path: Path) -> None:
 
 def write_report(out: Path, options: AuditOptions, records: list[dict], learned, seconds: float,
                  notes: list[str] = (), probe_baseline: float | None = None, pointer=None,
-                 shape: dict | None = None) -> None:
+                 shape: dict | None = None, machine: dict | None = None) -> None:
     """report.md, report.json and the two plots under `out` (and W&B if asked); `probe_baseline`: the
     per-position majority's token accuracy on the staleness probe's sequences (None: no probe); `shape`: the
     updates' sequence length and adapters ({"L", "lora_rank", "lora_modules": the adapted modules' names}), stated
-    beside B."""
+    beside B; `machine`: this invocation's (`datamodules.machine.describe_machine`), beside its wall time. Rounds
+    whose attacks ran on another machine or setting (a resumed audit), or before machines were recorded, are named."""
     fed, dp = options.federation, options.flower_dp
-    here = describe_machine()  # the report's own; each round's attacks record theirs (a resumed audit may mix them)
     lines = [
         "# Audit report",
         "",
@@ -102,9 +102,9 @@ def write_report(out: Path, options: AuditOptions, records: list[dict], learned,
            f" (global model's log-probability weighted {pointer.lm_weight}, second-layer span test's score weighted "
            f"{pointer.second_weight})." if pointer.rule == "second_layer" else ".")
         if pointer is not None else "Candidate pointer: none.",
-        f"Wall time of this invocation: {seconds / 60:.1f} min, on {machine_line(here)}.",
-        *[f"Round {record['round']}'s attacks ran on another machine: {machine_line(record['machine'])}."
-          for record in records if record.get("machine") and not same_machine(record["machine"], here)],
+        f"Wall time of this invocation: {seconds / 60:.1f} min"
+        + (f", on {machine_line(machine)}." if machine is not None else "."),
+        *_other_machines(records, machine),
         *notes,
         "",
         "Token accuracy, ROUGE-1/2 (F, %) and exact sequences (%) of each attack on the clients' updates of the round;",
@@ -134,7 +134,7 @@ def write_report(out: Path, options: AuditOptions, records: list[dict], learned,
                 lines.append(f"- round {record['round']}, client {sample['client']}, {ATTACK_NAMES.get(name, name)}: "
                              f"`{_one_line(sample['reconstruction'])}` ← `{_one_line(sample['reference'])}`")
     write_text_atomically(out / "report.md", "\n".join(lines) + "\n")
-    write_text_atomically(out / "report.json", json.dumps({"rounds": records, "seconds": seconds, "machine": here,
+    write_text_atomically(out / "report.json", json.dumps({"rounds": records, "seconds": seconds, "machine": machine,
                                                           "notes": list(notes),
                                                           "probe_baseline": probe_baseline,
                                                           "setting": {"B": fed.batch_size, **(shape or {})}},
@@ -143,6 +143,30 @@ def write_report(out: Path, options: AuditOptions, records: list[dict], learned,
     plot_privacy_utility(records, out / "privacy_utility.png")
     if options.wandb:
         _log_wandb(out, records)
+
+
+def _other_machines(records: list[dict], machine: dict | None) -> list[str]:
+    """One line per machine other than `machine` that attacked some rounds (their seconds are that machine's), and one
+    for rounds attacked before the audit recorded machines."""
+    elsewhere: dict[str, list[int]] = {}
+    unrecorded = []
+    for record in records:
+        if not record.get("attacks"):
+            continue
+        if "machine" not in record:
+            unrecorded.append(record["round"])
+        elif record["machine"] != machine:
+            elsewhere.setdefault(machine_line(record["machine"]), []).append(record["round"])
+    lines = [f"Round{'s' if len(rounds) > 1 else ''} {_rounds(rounds)} attacked on another machine or setting: {line}."
+             for line, rounds in elsewhere.items()]
+    if unrecorded:
+        lines.append(f"Round{'s' if len(unrecorded) > 1 else ''} {_rounds(unrecorded)} attacked before audits recorded "
+                     "their machine.")
+    return lines
+
+
+def _rounds(rounds: list[int]) -> str:
+    return ", ".join(str(r) for r in rounds)
 
 
 def _how(scores: dict | None) -> str:

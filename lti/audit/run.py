@@ -39,6 +39,7 @@ import torch
 from safetensors.torch import save
 
 from datamodules.atomic_files import atomic_writer, orphaned_temp_files, write_text_atomically
+from datamodules.machine import describe_machine
 from lti.audit.folder import (
     canonical_sha256,
     compared_content,
@@ -476,6 +477,11 @@ class Audit:
         self.say(f"round {r}: global model's validation loss {record['utility_after']:.4f}")
 
     # ---------------------------------------------------------------- the attacks
+    @property
+    def device(self) -> torch.device:
+        """Where the global model, and so the attacks, run."""
+        return next(self.server.target.parameters()).device
+
     def attack_options(self) -> tuple[dict, str]:
         """The attack options a round's scores depend on (all but `rounds`, and the batched attack's extension
         cache, which changes its speed only) and their short hash, which names the scores' file:
@@ -514,15 +520,13 @@ class Audit:
                 client, parameter = name.split("/", 1)
                 replies.setdefault(int(client[1:]), {})[parameter] = value
             batches = {int(k[1:]): v for k, v in self.round_file(r, "batches.safetensors").items()}
-            from datamodules.machine import describe_machine
-
             start = time.perf_counter()
             results = self.attacks.attack(sent, replies, batches)
             probe = self.attacks.probe(sent, self.probe_ids) if len(self.probe_ids) else {}
             # A file per set of attack options: scores under other options stay as they were.
             _write_json({"round": r, "options": chosen, "attacks": results, "probe": probe,
                          "seconds": time.perf_counter() - start,
-                         "machine": describe_machine(next(self.server.target.parameters()).device)},
+                         "machine": describe_machine(self.device)},
                         folder / f"attacks-{key}.json")
 
     def run(self) -> list[dict]:
@@ -589,7 +593,7 @@ class Audit:
         shape = {"L": self.data.seq_len, "lora_rank": self.server.client.rank,
                  "lora_modules": adapted_modules(self.clients.names)}
         write_report(self.out, self.options, records, self.attacks.learned, seconds, notes, self.probe_baseline,
-                     self.attacks.pointer, shape)
+                     self.attacks.pointer, shape, describe_machine(self.device))
 
     def records(self) -> list[dict]:
         out, asked = [], set(self.options.attacked_rounds())

@@ -16,7 +16,7 @@ from conftest import REPO  # noqa: E402
 from flwr.app import ArrayRecord  # noqa: E402
 
 from datamodules.federated import FedSGDClient, LoRAClient, UpdatePipeline  # noqa: E402
-from datamodules.machine import machine_line, same_machine  # noqa: E402
+from datamodules.machine import describe_machine, machine_line  # noqa: E402
 from datamodules.targets import HFCausalLM  # noqa: E402
 from exact.batched import BatchedOptions  # noqa: E402
 from lti.audit.attacks import observed_update  # noqa: E402
@@ -224,23 +224,28 @@ def test_an_audit_writes_its_report_and_every_round(tiny_audit):
     assert "| 2 | DAGER" in report and "## Reconstructions" in report
     # The batched attack's whitening is kept in the folder (one file for this model and auxiliary text).
     assert len(list((out / "whitening").glob("*.safetensors"))) == 1
-    # The machine the times were measured on: the report's, and each round's attacks' (one machine here).
-    assert stored["machine"]["cores"] >= 1 and stored["machine"]["cpu_capability"]
-    assert all(same_machine(record["machine"], stored["machine"]) for record in records)
-    assert f"min, on {machine_line(stored['machine'])}." in report and "ran on another machine" not in report
+    # The machine the times were measured on: the report's, and each round's attacks' (this one here).
+    assert stored["machine"] == describe_machine("cpu")
+    assert all(record["machine"] == stored["machine"] for record in records)
+    assert f"min, on {machine_line(stored['machine'])}." in report and "another machine" not in report
 
 
-def test_the_report_names_rounds_whose_attacks_ran_on_another_machine(tiny_audit, tmp_path):
-    """A resumed audit may hold rounds attacked elsewhere: their times are of another machine, and the report says so."""
+def test_the_report_names_rounds_attacked_on_another_machine_or_before_machines_were_recorded(tiny_audit, tmp_path):
+    """A resumed audit may hold rounds attacked elsewhere, or by a version that recorded no machine: their seconds are
+    not this machine's, and the report says so, one line per machine."""
     from lti.audit.report import write_report
 
     options, _, records = tiny_audit
-    moved = [dict(record) for record in records]
-    moved[1]["machine"] = {**records[1]["machine"], "cpu_model": "another"}
-    write_report(tmp_path, options, moved, None, 60.0)
+    here = records[0]["machine"]
+    other = {**here, "cpu_model": "another"}
+    moved = [{**records[0], "round": r, "machine": m} for r, m in ((1, here), (2, other), (3, other), (4, None))]
+    del moved[3]["machine"]
+    write_report(tmp_path, options, moved, None, 60.0, machine=here)
     report = (tmp_path / "report.md").read_text()
-    assert report.count("ran on another machine") == 1
-    assert f"Round 2's attacks ran on another machine: {machine_line(moved[1]['machine'])}." in report
+    assert report.count("another machine") == 1
+    assert f"Rounds 2, 3 attacked on another machine or setting: {machine_line(other)}." in report
+    assert "Round 4 attacked before audits recorded their machine." in report
+    assert json.loads((tmp_path / "report.json").read_text())["machine"] == here
 
 
 def test_a_learned_scorer_fitted_for_another_model_is_refused_and_nothing_is_left(tmp_path):

@@ -92,7 +92,7 @@ def run(args) -> None:
 
     held_out = blocks[args.split]
     sent = {n: p.detach().float().clone() for n, p in server.target.named_parameters() if n in set(names)}
-    with RowLog(args.out) as log:
+    with RowLog(args.out, device) as log:
         for batch in args.batch_sizes:
             attack, weights = attack_for(batch)
             batched_client = copy.copy(server.client)  # the prepared adapters, B sequences per update

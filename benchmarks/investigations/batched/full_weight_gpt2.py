@@ -91,7 +91,7 @@ def run(args) -> None:
 
     held_out = blocks["evaluation"]
     batch = args.batch_size
-    with RowLog(args.out) as log:
+    with RowLog(args.out, device) as log:
         for k in range(args.first_update, args.first_update + args.updates):
             generator = torch.Generator().manual_seed(7919 * batch + k)
             ids = held_out[torch.randperm(held_out.shape[0], generator=generator)[:batch]].to(device)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from datamodules.machine import describe_machine
 from exact.batched import BatchedOptions
 from exact.batched.search import SCREEN_PRECISIONS
 
@@ -211,14 +212,13 @@ class RowLog:
     """One JSON line per measured update, appended to `path` (its folder made), flushed and printed as each ends,
     every row stamped with this process's `run` id (a rerun of an update is told apart from an earlier one in the
     same file; the progress points of `progress_writer` carry the same id) and the machine its seconds were measured
-    on (`datamodules.machine`: two machines of one name differ in speed). Use as a context manager."""
+    on (`datamodules.machine`: two machines of one name differ in speed; `device`: the one the work runs on, which
+    names a GPU). A row's own `run` or `machine` field, if it has one, is kept. Use as a context manager."""
 
-    def __init__(self, path: str | Path) -> None:
-        from datamodules.machine import describe_machine
-
+    def __init__(self, path: str | Path, device: torch.device | str | None = None) -> None:
         self.path = Path(path)
         self.run = f"{time.strftime('%Y-%m-%dT%H:%M:%S')}-{os.getpid()}"
-        self.machine = describe_machine("cuda" if torch.cuda.is_available() else None)
+        self.machine = describe_machine(device)
         self._file = None
 
     def __enter__(self) -> RowLog:
@@ -230,7 +230,7 @@ class RowLog:
         self._file.close()
 
     def write(self, row: dict) -> None:
-        line = json.dumps({"run": self.run, **row, "machine": self.machine})
+        line = json.dumps({"run": self.run, "machine": self.machine, **row})
         self._file.write(line + "\n")
         self._file.flush()
         print(line, flush=True)
