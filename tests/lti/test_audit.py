@@ -3,6 +3,7 @@ reads the right update off it, the audit records, resumes and reports, and bad i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -697,6 +698,8 @@ def test_every_audit_config_parses_and_names_a_threat_model_that_parses(config, 
     assert exit_info.value.code in (0, None)
     parsed = yaml.safe_load(capsys.readouterr().out)
     assert parsed["federation"]["clients"] >= 4 and parsed["federation"]["rounds"] >= 3
+    if config.endswith("/smollm2_lora.yaml"):  # the default: a partial batched_search keeps the other defaults
+        assert parsed["attacks"]["batched_search"] == {**dataclasses.asdict(BatchedOptions()), "extension_cache_gib": 1.0}
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--config", str(REPO / parsed["threat_model"]), "--print_config"])
     assert exit_info.value.code in (0, None)
