@@ -278,18 +278,6 @@ class ExtensionCache:
         self.entries.move_to_end(key)
         return entry[:sites]
 
-    def look_up(self, keys: list[tuple], sites: int) -> tuple[list[Tensor | None], dict[tuple, int]]:
-        """Each extension's first `sites` sites' inputs if held (else None), and the missing ones, each once though
-        several rows ask for it (sequences sharing a prefix), with its first row; counted as reused and computed."""
-        found = [self.get(key, sites) for key in keys]
-        first: dict[tuple, int] = {}
-        for k, entry in enumerate(found):
-            if entry is None:
-                first.setdefault(keys[k], k)
-        self.reused += len(keys) - len(first)
-        self.computed += len(first)
-        return found, first
-
     def put(self, key: tuple, inputs: Tensor) -> None:
         """Hold `inputs` (sites, d) for `key` (replacing what it held), then drop the least recently used entries
         beyond `max_bytes`."""
@@ -331,25 +319,12 @@ class _LayerInput:
 
 
 @dataclass
-class _CachedScreen:
-    """A screen through an extension cache: each extension's cache key, and the residual stream entering the resume
-    layer of those the screen ran (not served from the cache), with the layer's other arguments."""
-
-    keys: list[tuple]
-    layer: int
-    entering: dict[tuple, Tensor]
-    arguments: dict
-
-
-@dataclass
 class Screened:
     """Extensions run through their first sites (`Prefixes.screen`): those sites' inputs (K, d) each, and the state
-    `Prefixes.complete` resumes the rest from (None: it runs them whole; `cached`: a screen through an extension
-    cache, whose extensions run by the screen resume)."""
+    `Prefixes.complete` resumes the rest from (None: it runs them whole)."""
 
     inputs: list[Tensor]
     resume_from: _LayerInput | None
-    cached: _CachedScreen | None = None
 
 
 def _site_count(upto: int | None, sites: int) -> int:
@@ -434,9 +409,17 @@ class Prefixes:
         sites = _site_count(upto, len(self.sites))
         if cache is None or rows.numel() == 0:
             return self._extend(rows, tokens, sites, precision)
-        keys = self._keys(rows, tokens, precision)
-        found, first = cache.look_up(keys, sites)
+        prefixes = [tuple(p) for p in self.tokens.tolist()]
+        keys = [(precision, prefixes[r], t) for r, t in zip(rows.tolist(), tokens.tolist())]
+        found = [cache.get(key, sites) for key in keys]
+        # Each missing extension once, though several rows ask for it (sequences sharing a prefix): its first row.
+        first: dict[tuple, int] = {}
+        for k, entry in enumerate(found):
+            if entry is None:
+                first.setdefault(keys[k], k)
         missing = list(first)
+        cache.reused += len(keys) - len(missing)
+        cache.computed += len(missing)
         if missing:
             where = torch.tensor(list(first.values()), device=rows.device)
             computed = torch.stack(self._extend(rows[where], tokens[where], sites, precision), dim=1)  # (m, sites, d)
@@ -448,64 +431,28 @@ class Prefixes:
         together = torch.stack(found)  # (K, sites, d)
         return [together[:, site] for site in range(sites)]
 
-    def _keys(self, rows: Tensor, tokens: Tensor, precision: str) -> list[tuple]:
-        """The `ExtensionCache` keys of the extensions `rows[k]`, `tokens[k]`."""
-        prefixes = [tuple(p) for p in self.tokens.tolist()]
-        return [(precision, prefixes[r], t) for r, t in zip(rows.tolist(), tokens.tolist())]
-
     def screen(self, rows: Tensor, tokens: Tensor, upto: int, precision: str = "float32",
                cache: ExtensionCache | None = None) -> Screened:
         """`extend(rows, tokens, upto, precision, cache)`, keeping what `complete` resumes from where it can: the
         residual stream entering the decoder layer of the last site run, with that layer's other arguments. It can
-        for a decoder of `layers` whose sites run in layer order (a Llama's), in the model's own precision, when those
-        arguments are the same for every extension; else the state is None and `complete` runs the kept extensions
-        whole. With an extension cache, the extensions it serves are not run, and only those the screen ran resume."""
+        for a decoder of `layers` whose sites run in layer order (a Llama's), in the model's own precision, without an
+        extension cache, when those arguments are the same for every extension; else the state is None and
+        `complete` runs the kept extensions whole."""
         sites = _site_count(upto, len(self.sites))
         layer = self.site_layers[sites - 1] if self.site_layers is not None and sites < len(self.sites) else None
-        if layer is None or precision != "float32" or rows.numel() == 0:
+        if layer is None or precision != "float32" or cache is not None or rows.numel() == 0:
             return Screened(self.extend(rows, tokens, upto, precision, cache), None)
-        if cache is not None:
-            return self._screen_cached(rows, tokens, sites, layer, cache)
-        inputs, entering = self._run_entering(rows, tokens, sites, layer)
-        return Screened(inputs, None if entering is None else _LayerInput(layer, *entering))
-
-    def _run_entering(self, rows: Tensor, tokens: Tensor, sites: int,
-                      layer: int) -> tuple[list[Tensor], tuple[Tensor, dict] | None]:
-        """The extensions' first `sites` sites' inputs, and the residual stream entering decoder layer `layer` (K, d)
-        with the layer's other arguments (None where they cannot be resumed from)."""
         state: list[tuple[Tensor, dict] | None] = []
-        inputs = self._extend(rows, tokens, sites, "float32", entering=(layer, state))
+        inputs = self._extend(rows, tokens, sites, precision, entering=(layer, state))
         if any(entry is None for entry in state):
-            return inputs, None
+            return Screened(inputs, None)
         # Only the first chunk's arguments are kept: one new position after prefixes of one length gives every
         # extension the same position embeddings, and the fused attention no mask. Anything holding a row per
         # extension (the eager attention's mask) would need each chunk's own: then no resuming.
         arguments = state[0][1]
         if any(leaf.ndim and leaf.shape[0] != 1 for leaf in _tensor_leaves(arguments)):
-            return inputs, None
-        return inputs, (torch.cat([h for h, _ in state]), arguments)
-
-    def _screen_cached(self, rows: Tensor, tokens: Tensor, sites: int, layer: int, cache: ExtensionCache) -> Screened:
-        """`screen` through an extension cache: the extensions it holds (at `sites` sites or more) are served, the
-        others run once each and are put in it, their entering residual stream kept for `complete`."""
-        keys = self._keys(rows, tokens, "float32")
-        found, first = cache.look_up(keys, sites)
-        entering, arguments = {}, {}
-        if first:
-            where = torch.tensor(list(first.values()), device=rows.device)
-            inputs, state = self._run_entering(rows[where], tokens[where], sites, layer)
-            computed = torch.stack(inputs, dim=1)  # (m, sites, d)
-            held = {}
-            for j, key in enumerate(first):
-                held[key] = computed[j].clone()  # its own storage: an entry must not hold the whole batch alive
-                cache.put(key, held[key])
-            if state is not None:
-                arguments = state[1]
-                entering = {key: state[0][j] for j, key in enumerate(first)}
-            found = [held[key] if entry is None else entry for key, entry in zip(keys, found)]
-        together = torch.stack(found)  # (K, sites, d)
-        return Screened([together[:, site] for site in range(sites)], None,
-                        _CachedScreen(keys, layer, entering, arguments))
+            return Screened(inputs, None)
+        return Screened(inputs, _LayerInput(layer, torch.cat([h for h, _ in state]), arguments))
 
     def complete(self, screened: Screened, kept: Tensor, rows: Tensor, tokens: Tensor,
                  cache: ExtensionCache | None = None) -> list[Tensor]:
@@ -516,43 +463,12 @@ class Prefixes:
         done = len(screened.inputs)
         if done == len(self.sites):
             return [h[kept] for h in screened.inputs]
-        if screened.cached is not None and cache is not None:
-            return self._complete_cached(screened, kept, rows, tokens, cache)
         if screened.resume_from is None:
             return self.extend(rows[kept], tokens[kept], cache=cache)
         if kept.numel() == 0:
             return [h[:0] for h in screened.inputs] + [screened.inputs[0][:0]] * (len(self.sites) - done)
         rest = self._resume(rows[kept], screened.resume_from.select(kept), done)
         return [h[kept] for h in screened.inputs] + rest
-
-    def _complete_cached(self, screened: Screened, kept: Tensor, rows: Tensor, tokens: Tensor,
-                         cache: ExtensionCache) -> list[Tensor]:
-        """`complete` of a screen through `cache`: a kept extension it holds at every site is served; one the screen
-        ran resumes from its entering residual stream; any other (held at the screen's sites only) runs whole. Each
-        run once, and put in the cache at every site."""
-        done, every, state = len(screened.inputs), len(self.sites), screened.cached
-        if kept.numel() == 0:
-            return [h[:0] for h in screened.inputs] + [screened.inputs[0][:0]] * (every - done)
-        keys = [state.keys[k] for k in kept.tolist()]
-        found, first = cache.look_up(keys, every)
-        held: dict[tuple, Tensor] = {}
-        resumed = [key for key in first if key in state.entering]
-        if resumed:
-            at = torch.tensor([first[key] for key in resumed], device=kept.device)
-            entry = _LayerInput(state.layer, torch.stack([state.entering[key] for key in resumed]), state.arguments)
-            rest = self._resume(rows[kept[at]], entry, done)
-            for j, key in enumerate(resumed):
-                held[key] = torch.stack([h[kept[at[j]]] for h in screened.inputs] + [h[j] for h in rest])
-        whole = [key for key in first if key not in state.entering]
-        if whole:
-            at = torch.tensor([first[key] for key in whole], device=kept.device)
-            run = torch.stack(self._extend(rows[kept[at]], tokens[kept[at]], every, "float32"), dim=1)
-            held.update({key: run[j] for j, key in enumerate(whole)})
-        for key, inputs in held.items():
-            held[key] = inputs.clone()  # its own storage (see `extend`)
-            cache.put(key, held[key])
-        together = torch.stack([held[key] if entry is None else entry for key, entry in zip(keys, found)])
-        return [together[:, site] for site in range(every)]
 
     def _extend(self, rows: Tensor, tokens: Tensor, sites: int, precision: str,
                 entering: tuple[int, list] | None = None) -> list[Tensor]:

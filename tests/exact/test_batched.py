@@ -440,53 +440,6 @@ def test_the_screened_extensions_resume_from_the_screen_with_the_inputs_of_whole
     assert resumed == whole
 
 
-def test_a_screen_through_the_extension_cache_resumes_what_it_ran_and_serves_what_it_held():
-    """With an extension cache, `Prefixes.complete` serves a kept extension held at every site without running it,
-    resumes one the screen ran from the screen's layer, and runs whole one held at the screen's sites only (by an
-    earlier screen); every kept extension's inputs equal a whole run without a cache (the slow reference) up to float
-    noise, and each is then held at every site."""
-    from exact.batched.search import ExtensionCache, Prefixes, decoder, fused_attention
-
-    pipe = pipeline(1, layers=4)
-    sites = adapter_sites(list(pipe.names))
-    ids = torch.randint(0, VOCAB, (3, 4), generator=torch.Generator().manual_seed(10))
-    rows, tokens = torch.tensor([1, 0, 1, 2, 2, 0]), torch.tensor([7, 8, 200, 3, 4, 8])
-    terms = ids.shape[1] * 64
-    with fused_attention(pipe.target):
-        run = Prefixes(pipe.target, sites, ids)
-        layers = decoder(pipe.target)[1].layers
-        ran = []
-        handles = [layer.register_forward_pre_hook(lambda *_, j=j: ran.append(j)) for j, layer in enumerate(layers)]
-        try:
-            cache = ExtensionCache(1 << 22)
-            run.extend(rows[[0]], tokens[[0]], cache=cache)  # (1, 7) held at every site
-            run.extend(rows[[3]], tokens[[3]], 2, cache=cache)  # (2, 3) held at the screen's sites only
-            cache.computed = cache.reused = 0
-            ran.clear()
-            screened = run.screen(rows, tokens, 2, cache=cache)
-            assert screened.resume_from is None and screened.cached is not None
-            # (0, 8) is asked for twice: run once; (1, 7) and (2, 3) served.
-            assert (cache.computed, cache.reused) == (3, 3) and set(ran) == {0, 1}
-            assert set(screened.cached.entering) == {k for i, k in enumerate(screened.cached.keys) if i not in (0, 3)}
-            for got, reference in zip(screened.inputs, run.extend(rows, tokens, 2)):
-                assert same_up_to_float_noise(got, reference, terms=terms, dim=-1)
-            kept = torch.tensor([0, 3, 4, 4, 1])  # held whole, held at 2 sites, ran by the screen (twice), ran
-            ran.clear()
-            got = run.complete(screened, kept, rows, tokens, cache)
-            # (2, 3) ran whole (layers 0-3); the screen's two resumed from layer 1 (where it stopped); (1, 7) not run.
-            assert sorted(ran) == [0, 1, 1, 2, 2, 3, 3] and (cache.computed, cache.reused) == (6, 5)
-        finally:
-            for handle in handles:
-                handle.remove()
-        for g, w in zip(got, run.extend(rows[kept], tokens[kept])):
-            assert same_up_to_float_noise(g, w, terms=terms, dim=-1)
-        assert torch.equal(got[-1][2], got[-1][3])  # the same extension kept twice: run once
-        keys = screened.cached.keys
-        assert all(cache.get(keys[k], len(sites)) is not None for k in kept.tolist())  # every kept one held whole
-        assert cache.get(keys[2], len(sites)) is None and cache.get(keys[2], 2) is not None  # screened, not kept
-        assert [g.shape for g in run.complete(screened, kept[:0], rows, tokens, cache)] == [(0, 64)] * 4
-
-
 def test_gpt2_sites_have_no_decoder_layers_to_resume_from():
     from exact.batched.search import _site_layers, decoder
     from exact.batched.sites import Site
