@@ -82,6 +82,11 @@ class UpdatePipeline(nn.Module):
     def observed_dim(self) -> int:
         return self.spec.input_dim
 
+    @property
+    def device(self) -> torch.device:
+        """Where the global model (and so the server's simulations and attacks) runs."""
+        return next(self.target.parameters()).device
+
     def with_client(self, client: ClientProtocol) -> "UpdatePipeline":
         """This pipeline (same global model, observed parameters, hash spec and defense) with another
         client protocol computing the updates: e.g. `client.single_sample()`. The client must observe the
@@ -133,8 +138,7 @@ class UpdatePipeline(nn.Module):
         if not (isinstance(self.client, FedSGDClient) and self.client.mode == "eval"
                 and isinstance(self.loss, NextTokenLoss) and self.defense.linear):
             return None
-        device = next(self.target.parameters()).device
-        ids = torch.as_tensor(input_ids, dtype=torch.long, device=device).view(1, 1, -1)
+        ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).view(1, 1, -1)
         with torch.inference_mode(False), torch.enable_grad(), model_mode(self.target, "eval"):
             per_example = self.loss.per_example_gradients(self.target, self.names, {"input_ids": ids},
                                                           self.client.implementation)

@@ -150,7 +150,7 @@ class LeakageAudit(ObservedStrategy):
 
     def _write_summary(self) -> None:
         summary = {"attacks": {}, "written": time.strftime("%Y-%m-%dT%H:%M:%S"), "threat_model": self._threat_model_record(),
-                   "machine": describe_machine(next(self.threat_model.target.parameters()).device)}
+                   "machine": describe_machine(self.threat_model.pipeline.device)}
         for name, counts in self._counts.items():
             entry = {**counts, "seconds_per_update": counts["seconds"] / max(1, counts["updates"])}
             if name in self._totals:

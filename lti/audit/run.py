@@ -477,11 +477,6 @@ class Audit:
         self.say(f"round {r}: global model's validation loss {record['utility_after']:.4f}")
 
     # ---------------------------------------------------------------- the attacks
-    @property
-    def device(self) -> torch.device:
-        """Where the global model, and so the attacks, run."""
-        return next(self.server.target.parameters()).device
-
     def attack_options(self) -> tuple[dict, str]:
         """The attack options a round's scores depend on (all but `rounds`, and the batched attack's extension
         cache, which changes its speed only) and their short hash, which names the scores' file:
@@ -526,7 +521,7 @@ class Audit:
             # A file per set of attack options: scores under other options stay as they were.
             _write_json({"round": r, "options": chosen, "attacks": results, "probe": probe,
                          "seconds": time.perf_counter() - start,
-                         "machine": describe_machine(self.device)},
+                         "machine": describe_machine(self.server.device)},
                         folder / f"attacks-{key}.json")
 
     def run(self) -> list[dict]:
@@ -593,7 +588,7 @@ class Audit:
         shape = {"L": self.data.seq_len, "lora_rank": self.server.client.rank,
                  "lora_modules": adapted_modules(self.clients.names)}
         write_report(self.out, self.options, records, self.attacks.learned, seconds, notes, self.probe_baseline,
-                     self.attacks.pointer, shape, describe_machine(self.device))
+                     self.attacks.pointer, shape, describe_machine(self.server.device))
 
     def records(self) -> list[dict]:
         out, asked = [], set(self.options.attacked_rounds())
