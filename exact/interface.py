@@ -186,7 +186,8 @@ class BatchedAttack:
         simulate = threat_model.simulate if self.check else None
         found = batched.attack(split, batch_size, threat_model.seq_len, simulate, update if self.check else None)
         diagnostics = {"bag": found.bag, "residual": found.residual, "coefficients": found.coefficients,
-                       "phase_seconds": found.seconds, "second_opinion": found.second_opinion}
+                       "phase_seconds": found.seconds, "second_opinion": found.second_opinion,
+                       "budget_reached": found.budget_reached}
         return Reconstruction(found.sequences, [found.certified] * len(found.sequences), found.margins, diagnostics,
                               time.perf_counter() - start, found.certified)
 

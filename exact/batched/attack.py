@@ -140,6 +140,12 @@ class BatchedOptions(OptionGroup):
             e.g. the learned one), a result whose refit residual is above this is searched again with that
             scorer, and the result of lower residual is kept (chosen on the auxiliary tail: below about 0.3 a
             B = 4 result is nearly right, above it an early commitment went wrong).
+        time_budget: Seconds an update's attack may take before it starts no further refinement pass, regrowth,
+            restart or second search (None: no budget). The search, a step already started and the final label refit
+            always run, so an update overruns it by up to one step; a result cut short says so
+            (`BatchedResult.budget_reached`, counted in the audit's report). A bound on the audit's time for large
+            B on a CPU, at the accuracy the trace reached by then (the learned scorer's second search is the first
+            step to go).
     """
 
     picks_per_sequence: int | None = None
@@ -162,6 +168,7 @@ class BatchedOptions(OptionGroup):
     screen_precision: Literal["float32", "bfloat16"] = "float32"
     extension_cache_gib: float = 0.0
     second_opinion_above: float = 0.3
+    time_budget: float | None = None
 
     def pick_budget(self, batch_size: int, length: int) -> int:
         """Bag recovery's largest number of picks for B sequences of `length` tokens."""
@@ -237,6 +244,8 @@ class BatchedOptions(OptionGroup):
             raise ValueError(f"label_candidates={self.label_candidates} must be >= 1")
         if not self.second_opinion_above >= 0:
             raise ValueError(f"second_opinion_above={self.second_opinion_above} must be >= 0")
+        if self.time_budget is not None and not (math.isfinite(self.time_budget) and self.time_budget >= 0):
+            raise ValueError(f"time_budget={self.time_budget} must be finite and >= 0 seconds (or null: none)")
 
 
 @dataclass
@@ -264,6 +273,8 @@ class BatchedResult:
     trace: list[tuple[str, float, list[list[int]]]] = field(default_factory=list)
     #: With an extension cache: the extensions the attack ran through the model ("computed") and those it reused.
     extensions: dict[str, int] = field(default_factory=dict)
+    #: Whether a step was left out for `BatchedOptions.time_budget` (the result is the trace's point at the budget).
+    budget_reached: bool = False
 
     @property
     def certified(self) -> bool:
@@ -293,6 +304,7 @@ class BatchedLoRA:
             raise ValueError(f"the whitening holds {whitening.sites.shape[0]} sites; the model has {len(self.sites)}")
         self.whitening = whitening
         self._screen_model: nn.Module | None = None  # a bfloat16 screen's model, during an attack
+        self._budget = _Budget(time.perf_counter(), None)  # the time budget of the attack running
         if whitening.vocabulary is not None:
             self.dictionary, self.first_layer = vocabulary_inputs(target) @ whitening.vocabulary, None
         else:
@@ -345,12 +357,15 @@ class BatchedLoRA:
                 simulate: Callable[[list[list[int]]], Tensor] | None, flat: Tensor | None,
                 on_step: OnStep | None) -> BatchedResult:
         clock = _Clock()  # one clock for both searches: the trace's times count from the attack's start
+        self._budget = _Budget(clock.began, self.options.time_budget)
         gib = self.options.extension_cache_gib
         cache = ExtensionCache(max(1, int(gib * 2**30))) if gib > 0 else None  # both searches: one model
         # A bfloat16 screen's model, made once for every search of this update (the weights of this round)
         self._screen_model = bfloat16_twin(self.target) if self.options.screen_precision == "bfloat16" else None
         try:
-            return self._both_searches(update, batch_size, length, simulate, flat, on_step, clock, cache)
+            result = self._both_searches(update, batch_size, length, simulate, flat, on_step, clock, cache)
+            result.budget_reached = self._budget.reached
+            return result
         finally:
             self._screen_model = None
 
@@ -360,7 +375,7 @@ class BatchedLoRA:
         result = self._search(update, batch_size, length, simulate, flat, self.scorer, _Trace(clock.began, on_step),
                               cache)
         doubtful = result.residual is not None and result.residual > self.options.second_opinion_above
-        if self.second_opinion is None or not doubtful:
+        if self.second_opinion is None or not doubtful or self._budget.spent():
             return _counted(result, cache)
         second = self._search(update, batch_size, length, simulate, flat, self.second_opinion,
                               _Trace(clock.began, on_step, "second_"), cache)
@@ -409,13 +424,13 @@ class BatchedLoRA:
         for attempt in range(attempts + 1):
             kept_per_pass += self._refine(state, refining, bag, refine_lm, passes, simulate, clock, trace, cache)
             clock.lap("refine")
-            if attempt == attempts or state.certified:
+            if attempt == attempts or state.certified or self._budget.spent():
                 break
             doubtful, kept = self._regrow(state, scorer, bag, length, lm_weight, simulate, cache)
             regrown.append((doubtful, kept))
             clock.lap("regrow")
             trace.add("regrow", clock.elapsed, state.sequences)
-            if not kept and self.options.restarts(batch_size):
+            if not kept and self.options.restarts(batch_size) and not self._budget.spent():
                 tried, taken = self._restart(state, refining, bag, length, refine_lm, simulate, cache)
                 restarted.append((tried, taken))
                 kept = bool(taken)
@@ -446,6 +461,8 @@ class BatchedLoRA:
         resume = self.options.refine_resume
         for _ in range(passes):
             if state.certified:  # every input and label right: a regrown sequence could only raise the residual
+                break
+            if self._budget.spent():
                 break
             if self.options.refine_in_turn:
                 kept = self._refine_in_turn(state, scorer, bag, lm_weight, simulate, cache)
@@ -628,6 +645,20 @@ class _Trace:
         self.points.append((step, seconds, [list(s) for s in sequences]))
         if self.on_step is not None:
             self.on_step(self.prefix + step, seconds, [list(s) for s in sequences])
+
+
+class _Budget:
+    """An attack's time budget (`BatchedOptions.time_budget`; None: none) from `began` (perf_counter): `spent()` says
+    whether it is, and `reached` whether a step was left out for it (set by the `spent()` that said so)."""
+
+    def __init__(self, began: float, seconds: float | None) -> None:
+        self.began, self.seconds, self.reached = began, seconds, False
+
+    def spent(self) -> bool:
+        if self.seconds is None or time.perf_counter() - self.began < self.seconds:
+            return False
+        self.reached = True
+        return True
 
 
 class _Clock:

@@ -311,3 +311,4 @@ def _diagnose(tally: Tally, attack: Attack, found: Reconstruction, ids: Tensor) 
         tally.modes[mode] = tally.modes.get(mode, 0) + 1
         if diagnostics.get("second_opinion") is not None:  # searched again: was the second result kept?
             tally.diagnostics.setdefault("second_opinion", []).append(bool(diagnostics["second_opinion"]))
+        tally.diagnostics.setdefault("budget_reached", []).append(bool(diagnostics.get("budget_reached")))

@@ -187,6 +187,9 @@ def _how(scores: dict | None) -> str:
     second = scores.get("second_opinion")
     if second:
         modes += f"; searched again with the learned scorer on {len(second)} (its result kept on {sum(second)})"
+    budget = scores.get("budget_reached")
+    if budget and any(budget):
+        modes += f"; time budget reached on {sum(budget)} of {len(budget)}"
     return modes
 
 

@@ -1284,6 +1284,36 @@ def test_a_doubted_result_is_searched_again_with_the_second_scorer_and_the_lower
     assert kept.second_opinion is None and kept.sequences == first.sequences
 
 
+def test_a_spent_time_budget_starts_no_further_step_and_says_so():
+    """`time_budget`: once spent, no refinement pass, regrowth, restart or second search starts, while the search and
+    the refit's labels run; so a budget of 0 reads what the search alone reads (no passes, no regrowth, no second
+    scorer), and says it was cut short. A budget never spent changes nothing."""
+    from exact.batched import BatchedLoRA, BatchedOptions
+
+    pipe, ids, update, flat, simulate, sites, whitening = checked_batch_of(4, 21)
+    every = torch.ones(len(sites), dtype=torch.float64)
+    options = dict(label_candidates=4, beam=2, refine=2, regrow=1, restart_first_tokens=2, second_opinion_above=0.0)
+
+    def attack(second_opinion=(every, 0.0), **more):
+        bound = BatchedLoRA(pipe.target, list(pipe.names), whitening, BatchedOptions(**{**options, **more}),
+                            second_opinion=second_opinion)
+        return bound.attack(update, 4, 5, simulate, flat)
+
+    alone = attack(second_opinion=None, refine=0, regrow=0)
+    assert not alone.certified and not alone.budget_reached  # so a pass would run: the budget has steps to leave out
+    cut = attack(time_budget=0.0)
+    assert cut.budget_reached and (cut.sequences, cut.residual) == (alone.sequences, alone.residual)
+    assert cut.kept_per_pass == [] and cut.regrown == [] and cut.restarted == [] and cut.second_opinion is None
+    assert [step for step, _, _ in cut.trace] == ["search"] and "check" in cut.seconds
+    free, ample = attack(), attack(time_budget=1e9)
+    assert not free.budget_reached and not ample.budget_reached
+    assert (ample.sequences, ample.residual, ample.kept_per_pass) == (free.sequences, free.residual, free.kept_per_pass)
+    assert free.kept_per_pass and free.second_opinion is not None  # the steps a budget of 0 left out
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="time_budget=.* must be finite and >= 0 seconds"):
+            BatchedOptions(time_budget=bad)
+
+
 def test_refinement_scores_with_the_hand_set_weights_or_the_search_s_as_asked(monkeypatch):
     """`refine_scorer`: the search (and regrowth) score with the learned weights, refinement with the hand-set ones
     (1 per site and `lm_weight`) or with the search's; without a learned scorer both are the hand-set."""

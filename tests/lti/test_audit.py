@@ -249,6 +249,19 @@ def test_the_report_names_rounds_attacked_on_another_machine_or_before_machines_
     assert json.loads((tmp_path / "report.json").read_text())["machine"] == here
 
 
+def test_the_report_counts_updates_whose_attack_the_time_budget_cut_short(tiny_audit, tmp_path):
+    from lti.audit.report import write_report
+
+    options, _, records = tiny_audit
+    assert records[0]["attacks"]["batched"]["budget_reached"] == [False, False]  # no budget by default
+    write_report(tmp_path, options, records, None, 60.0, machine=records[0]["machine"])
+    assert "time budget reached" not in (tmp_path / "report.md").read_text()
+    cut = {**records[0], "attacks": {**records[0]["attacks"],
+                                     "batched": {**records[0]["attacks"]["batched"], "budget_reached": [True, False]}}}
+    write_report(tmp_path, options, [cut], None, 60.0, machine=records[0]["machine"])
+    assert "time budget reached on 1 of 2" in (tmp_path / "report.md").read_text()
+
+
 def test_a_learned_scorer_fitted_for_another_model_is_refused_and_nothing_is_left(tmp_path):
     from exact.batched.scorer import ScorerWeights
 

@@ -166,7 +166,8 @@ def result_row(found, ids: torch.Tensor, decode, seconds: float) -> dict:
            "certified": found.certified, "phase_seconds": {k: round(v, 2) for k, v in found.seconds.items()},
            "second_opinion": found.second_opinion, "kept_per_pass": found.kept_per_pass,
            "regrown": [[doubtful, kept] for doubtful, kept in found.regrown],
-           "restarted": [[tried, taken] for tried, taken in found.restarted], "extensions": found.extensions}
+           "restarted": [[tried, taken] for tried, taken in found.restarted], "extensions": found.extensions,
+           "budget_reached": found.budget_reached}
     # Token accuracy after each step of the search kept (its last tokens the LM's guesses, before the refit's labels).
     row["trace"] = [[step, round(at, 2), batch_token_accuracy(sequences, ids, decode)] for step, at, sequences in found.trace]
     if found.other is not None:  # what the choice between the two searches gained or lost
@@ -282,7 +283,7 @@ def batched_fields(attack, args, options: BatchedOptions, weights, other, split:
             "screen_precision": args.screen_precision, "extension_cache_gib": args.extension_cache_gib,
             "scorer": args.scorer, "scorer_batch_sizes": list(weights.batch_sizes) if weights else None,
             "second_opinion_batch_sizes": list(other.batch_sizes) if other else None,
-            "second_opinion_file": args.second_opinion,
+            "second_opinion_file": args.second_opinion, "time_budget": options.time_budget,
             "merged": merged_row(found, update, simulate, ids, decode)}  # None: one search ran
 
 
@@ -351,6 +352,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="learned scorer weights searched again with when the refit residual is above "
                              "--second-opinion-above (the lower residual's result is kept)")
     parser.add_argument("--second-opinion-above", type=float, default=BatchedOptions.second_opinion_above)
+    parser.add_argument("--time-budget", type=float, default=BatchedOptions.time_budget,
+                        help="seconds per update after which no refinement pass, regrowth, restart or second search "
+                             "starts (default: none)")
     parser.add_argument("--attacks", nargs="+", choices=["batched", "dager"], default=["batched"],
                         help="the attacks run on each update: the batched attack (its scores at the row's top level) "
                              "and DAGER (the audit's, default options; its scores in the row's `dager`)")
@@ -381,7 +385,7 @@ def main(argv: list[str] | None = None) -> None:
                              screen_sites=args.screen_sites, shortlist=args.shortlist,
                              first_site_shortlist=args.first_site_shortlist,
                              screen_precision=args.screen_precision, extension_cache_gib=args.extension_cache_gib,
-                             second_opinion_above=args.second_opinion_above)
+                             second_opinion_above=args.second_opinion_above, time_budget=args.time_budget)
 
     def weights_for(path: str | None, batch: int) -> ScorerWeights | None:
         """A scorer file's weights for updates of `batch` sequences (the set fitted nearest it)."""
