@@ -702,6 +702,33 @@ def test_batched_curve_draws_an_update_stopped_before_its_row_from_its_progress_
         module.main([])
 
 
+def test_batched_curve_reads_what_a_time_budget_would_have_read_off_each_first_search(tmp_path, capsys):
+    """`--budgets`: the step in progress when the budget is spent finishes (the first point at or after it); a search
+    that ended before the budget says nothing of it (a second search would have run). A progress file's first search
+    counts in place of its update's row; a row whose kept search was the second holds that one's trace, not counted."""
+    module = load_benchmark("tools.batched_curve")
+    trace = [["search", 10.0, 0.1], ["refine", 30.0, 0.4], ["refine", 50.0, 0.6]]
+    assert module.accuracy_at_budget(trace, 10) == (0.1, 10.0) and module.accuracy_at_budget(trace, 20) == (0.4, 30.0)
+    assert module.accuracy_at_budget(trace, 60) is None
+    line = {"bag_recall": 1.0, "rouge1": 0.9, "rouge2": 0.8, "exact": 0.0, "seconds": 60.0, "residual": 0.1,
+            "token_acc": 0.6, "B": 8}
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({**line, **extra}) + "\n" for extra in (
+        {"update": 0, "trace": trace, "second_opinion": False},
+        {"update": 1, "trace": [["search", 500.0, 0.9]], "second_opinion": True},  # the second search's trace
+        {"update": 2, "trace": [["search", 5.0, 0.0]]})))  # its progress file's first search counts instead
+    progress = tmp_path / "progress.jsonl"
+    progress.write_text("".join(json.dumps({"B": 8, "update": 2, "split": "evaluation", "run": "r", "step": step,
+                                            "seconds": at, "token_acc": acc}) + "\n"
+                                for step, at, acc in (("search", 20.0, 0.3), ("second_search", 80.0, 0.5))))
+    firsts = module.first_search_traces(module.rows_by_batch([str(rows)]), module.progress_rows([str(progress)]))
+    assert firsts == {8: [[["search", 20.0, 0.3]], trace]}
+    module.main([str(rows), "--progress", str(progress), "--budgets", "15", "40"])
+    out = capsys.readouterr().out
+    assert "| 8 | 15 | 2 of 2 | 35.0 | 25 |" in out  # (0.3 at 20 s, 0.4 at 30 s)
+    assert "| 8 | 40 | 1 of 2 | 60.0 | 50 |" in out  # update 2's first search ended at 20 s
+
+
 def test_refine_proposals_records_each_sequence_against_its_best_matching_truth():
     proposals = load_benchmark("investigations.batched.refine_proposals")
     truth = [[1, 2, 3, 4, 9], [5, 6, 7, 8, 9]]

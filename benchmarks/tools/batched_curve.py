@@ -8,7 +8,8 @@ docs/audit.md quotes.
 A later file's row replaces an earlier one's of the same B and update. `--trace-out`: a second figure, each
 update's token accuracy after every step of the attack (search, refinement passes, regrowth) against the seconds
 since it began, from the rows that hold a trace; `--progress` adds the updates of `lora_batch --progress` files
-whose row was never written (an update stopped before its end).
+whose row was never written (an update stopped before its end). `--budgets T ...`: what a time budget
+(`BatchedOptions.time_budget`) of T seconds would have read, from the traces (below).
 """
 
 from __future__ import annotations
@@ -86,6 +87,47 @@ def progress_rows(paths: list[str]) -> dict[int, list[dict]]:
     return {batch: list(rows.values()) for batch, rows in sorted(out.items())}
 
 
+def accuracy_at_budget(trace: list, budget: float) -> tuple[float, float] | None:
+    """(token accuracy, seconds) of one search's trace (its [step, seconds, accuracy] points in order) cut by a time
+    budget: the step in progress when the budget is spent finishes, so the first point at or after it (before the
+    refit's labels). None where the search ended before the budget: then later steps (a second search) would have
+    run, and the trace does not say what they read."""
+    for _, seconds, accuracy in trace:
+        if seconds >= budget:
+            return accuracy, seconds
+    return None
+
+
+def first_search_traces(by_batch: dict[int, list[dict]], progress: dict[int, list[dict]]) -> dict[int, list[list]]:
+    """Each update's first search's trace per B: a progress file's where it has one (it holds both searches), else a
+    row's whose kept search was the first (a row kept from the second search holds that one's trace)."""
+    out: dict[int, dict[tuple, list]] = {}
+    for batch, rows in progress.items():
+        for row in rows:
+            if row["search"] == "first":
+                out.setdefault(batch, {})[(row["split"], row["update"])] = row["trace"]
+    for batch, rows in by_batch.items():
+        for row in rows:
+            key = (row.get("split", "evaluation"), row.get("update"))
+            if row.get("trace") and not row.get("second_opinion") and key not in out.get(batch, {}):
+                out.setdefault(batch, {})[key] = row["trace"]
+    return {batch: list(traces.values()) for batch, traces in sorted(out.items())}
+
+
+def budget_table(firsts_by_batch: dict[int, list[list]], budgets: list[float]) -> str:
+    """Per B and budget, the mean token accuracy at the budget over the updates whose first search's trace reaches it
+    (`accuracy_at_budget`), with the median seconds the updates took (the step in progress overruns the budget)."""
+    lines = ["| B | budget (s) | updates | token acc at the budget | s taken (median) |", "|---|---|---|---|---|"]
+    for batch, firsts in firsts_by_batch.items():
+        for budget in budgets:
+            cut = [point for point in (accuracy_at_budget(t, budget) for t in firsts) if point is not None]
+            if cut:
+                lines.append(f"| {batch} | {budget:g} | {len(cut)} of {len(firsts)} | "
+                             f"{100 * statistics.fmean(a for a, _ in cut):.1f} | "
+                             f"{statistics.median(s for _, s in cut):.0f} |")
+    return "\n".join(lines)
+
+
 def trace_figure(by_batch: dict[int, list[dict]], path: str) -> int:
     """Each traced row's accuracy after every step against its seconds (one line per update, a colour per B);
     returns how many rows were drawn (none: no figure)."""
@@ -120,6 +162,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=None, help="the figure (.png); none: the table only")
     parser.add_argument("--trace-out", default=None,
                         help="a figure (.png) of each traced update's accuracy after every step against its seconds")
+    parser.add_argument("--budgets", type=float, nargs="+", default=[], metavar="T",
+                        help="time budgets (seconds): the mean accuracy each would have read, from the first search's "
+                             "trace of every update (a row whose kept search was the second counts by its progress "
+                             "file's first search only)")
     args = parser.parse_args(argv)
     by_batch = rows_by_batch(args.rows)
     if not by_batch and not args.progress:
@@ -150,6 +196,8 @@ def main(argv: list[str] | None = None) -> None:
             traced.setdefault(batch, []).extend(r for r in rows if (r["split"], r["update"]) not in known)
         drawn = trace_figure(dict(sorted(traced.items())), args.trace_out)
         print(f"trace figure: {args.trace_out} ({drawn} updates)" if drawn else "no row holds a trace: no trace figure")
+    if args.budgets:
+        print(budget_table(first_search_traces(by_batch, progress_rows(args.progress)), args.budgets))
 
 
 if __name__ == "__main__":
