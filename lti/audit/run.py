@@ -480,10 +480,14 @@ class Audit:
     def attack_options(self) -> tuple[dict, str]:
         """The attack options a round's scores depend on (all but `rounds`, and the batched attack's extension
         cache, which changes its speed only) and their short hash, which names the scores' file:
-        `attacks-<hash>.json`."""
+        `attacks-<hash>.json`. The batched attack's time budget names another set only when there is one, so the
+        scores of audits made before it existed are read as they are."""
         chosen = plain(self.options.attacks)
         chosen.pop("rounds", None)
-        chosen.get("batched_search", {}).pop("extension_cache_gib", None)
+        search = chosen.get("batched_search", {})
+        search.pop("extension_cache_gib", None)
+        if search.get("time_budget", 0) is None:
+            search.pop("time_budget")
         return chosen, canonical_sha256(chosen)[:12]
 
     def stored_attacks(self, r: int) -> dict | None:

@@ -729,3 +729,13 @@ def test_the_extension_cache_does_not_name_another_set_of_attack_scores(tmp_path
         return Audit(options, say=lambda *_: None).attack_options()[1]
 
     assert key() == key(extension_cache_gib=2.0) != key(beam=2)
+
+
+def test_no_time_budget_keeps_the_scores_of_audits_made_before_it_and_a_budget_names_another_set(tmp_path):
+    def chosen(**search):
+        options = AuditOptions(threat_model=TINY, out_dir=str(tmp_path),
+                               attacks=AttackOptions(batched_search=BatchedOptions(**search)))
+        return Audit(options, say=lambda *_: None).attack_options()
+
+    (plain, key), (_, budgeted) = chosen(), chosen(time_budget=30.0)
+    assert "time_budget" not in plain["batched_search"] and key == chosen(time_budget=None)[1] != budgeted
