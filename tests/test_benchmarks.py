@@ -703,30 +703,35 @@ def test_batched_curve_draws_an_update_stopped_before_its_row_from_its_progress_
 
 
 def test_batched_curve_reads_what_a_time_budget_would_have_read_off_each_first_search(tmp_path, capsys):
-    """`--budgets`: the step in progress when the budget is spent finishes (the first point at or after it); a search
-    that ended before the budget says nothing of it (a second search would have run). A progress file's first search
-    counts in place of its update's row; a row whose kept search was the second holds that one's trace, not counted."""
+    """`--budgets`: the step in progress when the budget is spent finishes (the first point at or after it); past a
+    search that no second search followed, the update's end; past one that a second search followed, nothing (it is
+    not known what the second read). A row's first search counts before its progress file's; a row kept from the
+    second search counts by its progress file's first; a row run under a budget of its own not at all."""
     module = load_benchmark("tools.batched_curve")
     trace = [["search", 10.0, 0.1], ["refine", 30.0, 0.4], ["refine", 50.0, 0.6]]
-    assert module.accuracy_at_budget(trace, 10) == (0.1, 10.0) and module.accuracy_at_budget(trace, 20) == (0.4, 30.0)
-    assert module.accuracy_at_budget(trace, 60) is None
+    alone = module.FirstSearch(trace, (0.7, 55.0))
+    assert module.accuracy_at_budget(alone, 10) == (0.1, 10.0) and module.accuracy_at_budget(alone, 20) == (0.4, 30.0)
+    assert module.accuracy_at_budget(alone, 60) == (0.7, 55.0)
+    assert module.accuracy_at_budget(module.FirstSearch(trace), 60) is None
     line = {"bag_recall": 1.0, "rouge1": 0.9, "rouge2": 0.8, "exact": 0.0, "seconds": 60.0, "residual": 0.1,
-            "token_acc": 0.6, "B": 8}
+            "token_acc": 0.7, "B": 8}
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({**line, **extra}) + "\n" for extra in (
-        {"update": 0, "trace": trace, "second_opinion": False},
+        {"update": 0, "trace": trace, "second_opinion": None},  # no second search: its end counts past the trace
         {"update": 1, "trace": [["search", 500.0, 0.9]], "second_opinion": True},  # the second search's trace
-        {"update": 2, "trace": [["search", 5.0, 0.0]]})))  # its progress file's first search counts instead
+        {"update": 2, "trace": [["search", 5.0, 0.0]], "second_opinion": None, "budget_reached": True})))
     progress = tmp_path / "progress.jsonl"
-    progress.write_text("".join(json.dumps({"B": 8, "update": 2, "split": "evaluation", "run": "r", "step": step,
+    progress.write_text("".join(json.dumps({"B": 8, "update": k, "split": "evaluation", "run": "r", "step": step,
                                             "seconds": at, "token_acc": acc}) + "\n"
-                                for step, at, acc in (("search", 20.0, 0.3), ("second_search", 80.0, 0.5))))
-    firsts = module.first_search_traces(module.rows_by_batch([str(rows)]), module.progress_rows([str(progress)]))
-    assert firsts == {8: [[["search", 20.0, 0.3]], trace]}
-    module.main([str(rows), "--progress", str(progress), "--budgets", "15", "40"])
+                                for k, step, at, acc in ((0, "search", 9.0, 0.9), (1, "search", 20.0, 0.3),
+                                                         (1, "second_search", 80.0, 0.5), (2, "search", 1.0, 0.2))))
+    searches = module.first_searches(module.rows_by_batch([str(rows)]), module.progress_rows([str(progress)]))
+    assert searches == {8: [module.FirstSearch(trace, (0.7, 60.0)), module.FirstSearch([["search", 20.0, 0.3]])]}
+    module.main([str(rows), "--progress", str(progress), "--budgets", "15", "40", "100"])
     out = capsys.readouterr().out
-    assert "| 8 | 15 | 2 of 2 | 35.0 | 25 |" in out  # (0.3 at 20 s, 0.4 at 30 s)
-    assert "| 8 | 40 | 1 of 2 | 60.0 | 50 |" in out  # update 2's first search ended at 20 s
+    assert "| 8 | 15 | 2 of 2 | 35.0 | 25 |" in out  # (0.4 at 30 s, 0.3 at 20 s)
+    assert "| 8 | 40 | 1 of 2 | 60.0 | 50 |" in out  # update 1's first search ended at 20 s, a second followed
+    assert "| 8 | 100 | 1 of 2 | 70.0 | 60 |" in out  # update 0 ended at 60 s, read 70%
 
 
 def test_refine_proposals_records_each_sequence_against_its_best_matching_truth():

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -87,42 +88,59 @@ def progress_rows(paths: list[str]) -> dict[int, list[dict]]:
     return {batch: list(rows.values()) for batch, rows in sorted(out.items())}
 
 
-def accuracy_at_budget(trace: list, budget: float) -> tuple[float, float] | None:
-    """(token accuracy, seconds) of one search's trace (its [step, seconds, accuracy] points in order) cut by a time
-    budget: the step in progress when the budget is spent finishes, so the first point at or after it (before the
-    refit's labels). None where the search ended before the budget: then later steps (a second search) would have
-    run, and the trace does not say what they read."""
-    for _, seconds, accuracy in trace:
+@dataclass
+class FirstSearch:
+    """One update's first search, as a time budget would cut it: its trace ([step, seconds, accuracy] points in
+    order) and, where no second search followed, the update's end (token accuracy after the refit's labels, its
+    seconds), which every budget past the trace reads; None where a second search ran or the end is unknown."""
+
+    trace: list
+    end: tuple[float, float] | None = None
+
+
+def accuracy_at_budget(search: FirstSearch, budget: float) -> tuple[float, float] | None:
+    """(token accuracy, seconds) of an update under a time budget: the step in progress when the budget is spent
+    finishes, so the first point at or after it (before the refit's labels; the simulation of the search's sequences
+    runs between the search's point and the first budget check, so a budget spent in that gap stops at the search's
+    point, not the next). Past the trace: the update's end if no second search followed, else None (the second
+    search would have started, and the trace does not say what it read)."""
+    for _, seconds, accuracy in search.trace:
         if seconds >= budget:
             return accuracy, seconds
-    return None
+    return search.end
 
 
-def first_search_traces(by_batch: dict[int, list[dict]], progress: dict[int, list[dict]]) -> dict[int, list[list]]:
-    """Each update's first search's trace per B: a progress file's where it has one (it holds both searches), else a
-    row's whose kept search was the first (a row kept from the second search holds that one's trace)."""
-    out: dict[int, dict[tuple, list]] = {}
-    for batch, rows in progress.items():
-        for row in rows:
-            if row["search"] == "first":
-                out.setdefault(batch, {})[(row["split"], row["update"])] = row["trace"]
+def first_searches(by_batch: dict[int, list[dict]], progress: dict[int, list[dict]]) -> dict[int, list[FirstSearch]]:
+    """Each update's first search per B: a row's (as `--trace-out` draws it) when its kept search was the first, its
+    end when no second search ran; else its progress file's (which holds both searches: the end is unknown). Rows run
+    under a budget of their own are left out (a budget past theirs would read more than they did)."""
+    out: dict[int, dict[tuple, FirstSearch]] = {}
     for batch, rows in by_batch.items():
         for row in rows:
-            key = (row.get("split", "evaluation"), row.get("update"))
-            if row.get("trace") and not row.get("second_opinion") and key not in out.get(batch, {}):
-                out.setdefault(batch, {})[key] = row["trace"]
-    return {batch: list(traces.values()) for batch, traces in sorted(out.items())}
+            if row.get("trace") and not row.get("second_opinion") and not row.get("budget_reached"):
+                end = (row["token_acc"], row["seconds"]) if row.get("second_opinion") is None else None
+                out.setdefault(batch, {})[(row.get("split", "evaluation"), row.get("update"))] = FirstSearch(
+                    row["trace"], end)
+    skipped = {(batch, row.get("split", "evaluation"), row.get("update"))
+               for batch, rows in by_batch.items() for row in rows if row.get("budget_reached")}
+    for batch, rows in progress.items():
+        for row in rows:
+            key = (row["split"], row["update"])
+            if row["search"] == "first" and key not in out.get(batch, {}) and (batch, *key) not in skipped:
+                out.setdefault(batch, {})[key] = FirstSearch(row["trace"])
+    return {batch: list(searches.values()) for batch, searches in sorted(out.items())}
 
 
-def budget_table(firsts_by_batch: dict[int, list[list]], budgets: list[float]) -> str:
-    """Per B and budget, the mean token accuracy at the budget over the updates whose first search's trace reaches it
-    (`accuracy_at_budget`), with the median seconds the updates took (the step in progress overruns the budget)."""
-    lines = ["| B | budget (s) | updates | token acc at the budget | s taken (median) |", "|---|---|---|---|---|"]
-    for batch, firsts in firsts_by_batch.items():
+def budget_table(searches_by_batch: dict[int, list[FirstSearch]], budgets: list[float]) -> str:
+    """Per B and budget, the mean token accuracy at the budget over the updates it can be read for
+    (`accuracy_at_budget`), with the median seconds at the cut (the step in progress overruns the budget; the refit
+    adds its own seconds after it)."""
+    lines = ["| B | budget (s) | updates | token acc at the budget | s at the cut (median) |", "|---|---|---|---|---|"]
+    for batch, searches in searches_by_batch.items():
         for budget in budgets:
-            cut = [point for point in (accuracy_at_budget(t, budget) for t in firsts) if point is not None]
+            cut = [point for point in (accuracy_at_budget(t, budget) for t in searches) if point is not None]
             if cut:
-                lines.append(f"| {batch} | {budget:g} | {len(cut)} of {len(firsts)} | "
+                lines.append(f"| {batch} | {budget:g} | {len(cut)} of {len(searches)} | "
                              f"{100 * statistics.fmean(a for a, _ in cut):.1f} | "
                              f"{statistics.median(s for _, s in cut):.0f} |")
     return "\n".join(lines)
@@ -164,8 +182,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="a figure (.png) of each traced update's accuracy after every step against its seconds")
     parser.add_argument("--budgets", type=float, nargs="+", default=[], metavar="T",
                         help="time budgets (seconds): the mean accuracy each would have read, from the first search's "
-                             "trace of every update (a row whose kept search was the second counts by its progress "
-                             "file's first search only)")
+                             "trace of every update (`first_searches`)")
     args = parser.parse_args(argv)
     by_batch = rows_by_batch(args.rows)
     if not by_batch and not args.progress:
@@ -197,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
         drawn = trace_figure(dict(sorted(traced.items())), args.trace_out)
         print(f"trace figure: {args.trace_out} ({drawn} updates)" if drawn else "no row holds a trace: no trace figure")
     if args.budgets:
-        print(budget_table(first_search_traces(by_batch, progress_rows(args.progress)), args.budgets))
+        print(budget_table(first_searches(by_batch, progress_rows(args.progress)), args.budgets))
 
 
 if __name__ == "__main__":

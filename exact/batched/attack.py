@@ -273,7 +273,8 @@ class BatchedResult:
     trace: list[tuple[str, float, list[list[int]]]] = field(default_factory=list)
     #: With an extension cache: the extensions the attack ran through the model ("computed") and those it reused.
     extensions: dict[str, int] = field(default_factory=dict)
-    #: Whether a step was left out for `BatchedOptions.time_budget` (the result is the trace's point at the budget).
+    #: Whether a step was left out for `BatchedOptions.time_budget` (the result: the trace's first point at or after the
+    #: budget, then the refit's labels).
     budget_reached: bool = False
 
     @property

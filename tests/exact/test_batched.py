@@ -1314,6 +1314,32 @@ def test_a_spent_time_budget_starts_no_further_step_and_says_so():
             BatchedOptions(time_budget=bad)
 
 
+def test_a_budget_spent_during_a_refused_regrowth_starts_no_restart(monkeypatch):
+    """A refused regrowth is followed by restarts (`restart_first_tokens`) unless the budget was spent meanwhile."""
+    import exact.batched.attack as attack_module
+    from exact.batched import BatchedLoRA, BatchedOptions
+
+    pipe, ids, update, flat, simulate, sites, whitening = checked_batch_of(4, 21)
+    restarts = []
+    monkeypatch.setattr(attack_module.BatchedLoRA, "_restart", lambda self, state, *a, **k: restarts.append(1) or (
+        [0, 1], []))
+
+    def refused_and_spent(self, state, *args, **kwargs):
+        if self._budget.seconds is not None:
+            self._budget.seconds = 0.0  # the budget runs out during the regrowth
+        return [0, 1], False
+
+    monkeypatch.setattr(attack_module.BatchedLoRA, "_regrow", refused_and_spent)
+    options = dict(label_candidates=1, beam=2, refine=1, regrow=1, restart_first_tokens=2)
+    unbudgeted = BatchedLoRA(pipe.target, list(pipe.names), whitening, BatchedOptions(**options))
+    result = unbudgeted.attack(update, 4, 5, simulate, flat)
+    assert restarts == [1] and result.restarted and not result.budget_reached
+    restarts.clear()
+    budgeted = BatchedLoRA(pipe.target, list(pipe.names), whitening, BatchedOptions(time_budget=1e9, **options))
+    result = budgeted.attack(update, 4, 5, simulate, flat)
+    assert restarts == [] and result.restarted == [] and result.budget_reached and len(result.regrown) == 1
+
+
 def test_refinement_scores_with_the_hand_set_weights_or_the_search_s_as_asked(monkeypatch):
     """`refine_scorer`: the search (and regrowth) score with the learned weights, refinement with the hand-set ones
     (1 per site and `lm_weight`) or with the search's; without a learned scorer both are the hand-set."""

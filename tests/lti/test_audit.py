@@ -732,10 +732,13 @@ def test_the_extension_cache_does_not_name_another_set_of_attack_scores(tmp_path
 
 
 def test_no_time_budget_keeps_the_scores_of_audits_made_before_it_and_a_budget_names_another_set(tmp_path):
+    """Without a budget the options hashed are those of audits made before the option existed (the key they stored
+    their scores under); a budget names another set."""
     def chosen(**search):
         options = AuditOptions(threat_model=TINY, out_dir=str(tmp_path),
                                attacks=AttackOptions(batched_search=BatchedOptions(**search)))
         return Audit(options, say=lambda *_: None).attack_options()
 
-    (plain, key), (_, budgeted) = chosen(), chosen(time_budget=30.0)
-    assert "time_budget" not in plain["batched_search"] and key == chosen(time_budget=None)[1] != budgeted
+    (plain, key), (budgeted_options, budgeted) = chosen(), chosen(time_budget=30.0)
+    assert "time_budget" not in plain["batched_search"] and budgeted_options["batched_search"]["time_budget"] == 30.0
+    assert key != budgeted
