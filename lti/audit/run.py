@@ -306,6 +306,10 @@ class Audit:
                                   f"refit residual of its hand-set search is above {options.second_opinion_above}, "
                                   "and keeps the result of lower residual.")
                 second = (weights.sites, weights.lm)
+        if options.time_budget is not None:
+            self.notes.append(f"The batched attack's time budget: {options.time_budget:g} s an update, after which it "
+                              "starts no further refinement pass, regrowth, restart or second search (the step in "
+                              "progress and the refit finish); 'how it ran' says on how many updates it was reached.")
         # The least-squares check refits a FedSGD update by the sequences' own updates; a FedAvg client's mean
         # gradient along its path is not such a combination.
         return BatchedAttack(options, whitening=whitening, scorer=scorer, second_opinion=second,

@@ -742,3 +742,17 @@ def test_no_time_budget_keeps_the_scores_of_audits_made_before_it_and_a_budget_n
     (plain, key), (budgeted_options, budgeted) = chosen(), chosen(time_budget=30.0)
     assert "time_budget" not in plain["batched_search"] and budgeted_options["batched_search"]["time_budget"] == 30.0
     assert key != budgeted
+
+
+def test_the_report_states_the_batched_attacks_time_budget_when_there_is_one(tmp_path):
+    def notes(**search):
+        audit = Audit(AuditOptions(threat_model=TINY, out_dir=str(tmp_path / str(len(search))),
+                                   federation=FederationOptions(clients=2, rounds=1),
+                                   attacks=AttackOptions(dager=False, probe_sequences=0,
+                                                         batched_search=BatchedOptions(**search)),
+                                   utility_sequences=4), say=lambda *_: None)
+        audit._build()
+        return audit.notes
+
+    assert not any("time budget" in note for note in notes())
+    assert any("time budget: 12.5 s an update" in note for note in notes(time_budget=12.5))
