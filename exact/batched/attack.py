@@ -144,8 +144,8 @@ class BatchedOptions(OptionGroup):
             restart or second search (None: no budget). The search, a step already started and the final label refit
             always run, so an update overruns it by up to one step; a result cut short says so
             (`BatchedResult.budget_reached`, counted in the audit's report). A bound on the audit's time for large
-            B on a CPU, at the accuracy the trace reached by then (the learned scorer's second search is the first
-            step to go).
+            B on a CPU, at the accuracy the trace reached by then; a second search starts only after the first one's
+            whole path, so any budget shorter than that path leaves it out.
     """
 
     picks_per_sequence: int | None = None
