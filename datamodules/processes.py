@@ -19,5 +19,7 @@ def process_alive(pid: int) -> bool:
     try:  # Linux: a process that is exiting (it has let go of its lock) or not yet reaped (a zombie) is dead too
         state, *_, flags = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:7]
         return state not in ("Z", "X") and not int(flags) & PF_EXITING
+    except FileNotFoundError:  # with /proc mounted, no entry means the process was reaped since `os.kill` saw it
+        return not Path("/proc/self/stat").exists()
     except (OSError, ValueError):
         return True
