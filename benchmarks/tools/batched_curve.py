@@ -115,14 +115,15 @@ def first_searches(by_batch: dict[int, list[dict]], progress: dict[int, list[dic
     end when no second search ran; else its progress file's (which holds both searches: the end is unknown). Rows run
     under a budget of their own are left out (a budget past theirs would read more than they did)."""
     out: dict[int, dict[tuple, FirstSearch]] = {}
+    skipped: set[tuple] = set()
     for batch, rows in by_batch.items():
         for row in rows:
-            if row.get("trace") and not row.get("second_opinion") and not row.get("budget_reached"):
+            key = (row.get("split", "evaluation"), row.get("update"))
+            if row.get("budget_reached"):
+                skipped.add((batch, *key))
+            elif row.get("trace") and not row.get("second_opinion"):
                 end = (row["token_acc"], row["seconds"]) if row.get("second_opinion") is None else None
-                out.setdefault(batch, {})[(row.get("split", "evaluation"), row.get("update"))] = FirstSearch(
-                    row["trace"], end)
-    skipped = {(batch, row.get("split", "evaluation"), row.get("update"))
-               for batch, rows in by_batch.items() for row in rows if row.get("budget_reached")}
+                out.setdefault(batch, {})[key] = FirstSearch(row["trace"], end)
     for batch, rows in progress.items():
         for row in rows:
             key = (row["split"], row["update"])
