@@ -897,3 +897,26 @@ def test_dager_thresholds_margins_put_a_true_tokens_distance_below_every_other_t
     margins = module.first_layer_margins(Dager(), pipe.target, split, ids, 4)
     assert margins["rank"] == 4 and margins["true_median"] <= margins["true_max"] < 1e-4
     assert margins["other_min"] > 0.1
+
+
+def test_full_weight_gpt2_runs_each_attack_alone_or_side_by_side_on_the_same_updates(tmp_path):
+    """`full_weight_gpt2 run --attacks`: DAGER alone writes its own fields only (no whitening, no search), the two
+    side by side read the same update (its batch, its DAGER score) as DAGER alone; on a tiny GPT-2 whose B·L < d
+    the search reads every input token."""
+    from safetensors.torch import save_file
+
+    module = load_benchmark("investigations.batched.full_weight_gpt2")
+    generator = torch.Generator().manual_seed(0)
+    blocks = tmp_path / "blocks.safetensors"
+    save_file({split: torch.randint(0, 2000, (32, 6), generator=generator, dtype=torch.int32)
+               for split in ("evaluation", "auxiliary")}, str(blocks))
+    common = ["run", "--blocks", str(blocks), "--config", '{"n_layer": 2, "n_embd": 64, "n_head": 4}',
+              "--batch-size", "2", "--updates", "1", "--refine", "0", "--whitening-blocks", "16"]
+    module.main([*common, "--attacks", "dager", "--out", str(tmp_path / "dager.jsonl")])
+    module.main([*common, "--attacks", "batched", "dager", "--out", str(tmp_path / "both.jsonl")])
+    (alone,), (both,) = ([json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+                         for name in ("dager", "both"))
+    assert alone["attacks"] == ["dager"] and "token_acc_inputs" not in alone and "bag_size" not in alone
+    assert both["attacks"] == ["batched", "dager"] and both["token_acc_inputs"] == 1.0
+    assert both["distinct_input_tokens"] == alone["distinct_input_tokens"]
+    assert both["dager"]["token_acc"] == alone["dager"]["token_acc"] and alone["dager"]["token_acc"] > 0.5

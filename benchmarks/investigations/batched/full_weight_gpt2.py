@@ -62,28 +62,23 @@ def run(args) -> None:
     from datamodules.federated import FedSGDClient, UpdatePipeline
     from datamodules.federated.observed import ParameterSelection
     from datamodules.targets import HFCausalLM
-    from exact.batched import BatchedLoRA, BatchedOptions, SiteWhitening, wide_sites
 
     device = torch.device(args.device)
     blocks = {k: v.long() for k, v in load_file(args.blocks).items()}
     started = time.perf_counter()
     target = HFCausalLM(architecture="gpt2", config=json.loads(args.config), init_seed=0)
     observed = list(OBSERVED)
-    if args.dager:  # DAGER reads the first two attention layers and the final norm as well
+    if "dager" in args.attacks:  # DAGER reads the first two attention layers and the final norm as well
         from exact import find_layers
 
         observed += find_layers(target).observed_names()
     server = UpdatePipeline(target, client=FedSGDClient("eval", args.batch_size),
                             observed=ParameterSelection(include=observed))
     server.to(device)
+    attack = _batched_attack(server, blocks, args) if "batched" in args.attacks else None
+    print(f"model{' and the batched attack' if attack else ''} in {time.perf_counter() - started:.0f} s on {device}",
+          flush=True)
     one = server.with_client(FedSGDClient("eval", 1))
-    names = list(server.names)
-    sites = wide_sites(server.target, names)
-    whitening = SiteWhitening.fit(server.target, sites, blocks["auxiliary"][: args.whitening_blocks].to(device))
-    print(f"model, {len(sites)} sites and whitening in {time.perf_counter() - started:.0f} s on {device}", flush=True)
-    options = BatchedOptions(lm_weight=0.0, label_candidates=1, refine=args.refine, regrow=0, beam=args.beam,
-                             screen_sites=args.screen_sites, shortlist=args.shortlist)
-    attack = BatchedLoRA(server.target, names, whitening, options, sites=sites)
 
     def simulate(sequences):
         ids = torch.tensor(sequences, dtype=torch.long, device=device)[:, None]
@@ -98,37 +93,20 @@ def run(args) -> None:
             observed = server({"input_ids": ids[None]}, keep_update=True)
             flat = observed.update[0]
             update = {n: g[0].double() for n, g in server.split(observed.update).items()}
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            began = time.perf_counter()
-            def progress(step, seconds, sequences, k=k, ids=ids):  # a long update's curve, as it comes
-                print(json.dumps({"update": k, "step": step, "seconds": round(seconds, 1),
-                                  "token_acc_inputs": input_accuracy(sequences, ids, True)}), flush=True)
-
-            found = attack.attack(update, batch, ids.shape[1], simulate if args.check else None,
-                                  flat if args.check else None, on_step=progress)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            seconds = time.perf_counter() - began
             visible = set(ids[:, :-1].flatten().tolist())
             row = {"model": f"gpt2 random init {args.config}", "B": batch, "L": int(ids.shape[1]), "update": k,
                    "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                   "distinct_input_tokens": len(visible), "bag_size": len(found.bag),
-                   "bag_recall": len(visible & set(found.bag)) / max(1, len(visible)),
-                   "token_acc_inputs": input_accuracy(found.sequences, ids, True),
-                   "token_acc": input_accuracy(found.sequences, ids, False),
-                   "exact_inputs": sum(s[:-1] in ids[:, :-1].tolist() for s in found.sequences) / batch,
-                   "residual": found.residual, "kept_per_pass": found.kept_per_pass, "seconds": round(seconds, 1),
-                   "phase_seconds": {k: round(v, 1) for k, v in found.seconds.items()},
-                   "trace_inputs": [(step, round(t, 1), input_accuracy(s, ids, True))
-                                    for step, t, s in found.trace],
-                   "beam": args.beam, "refine": args.refine, "check": args.check, "screen_sites": args.screen_sites,
-                   "shortlist": args.shortlist, "whitening_blocks": args.whitening_blocks}
-            if args.dager:
+                   "distinct_input_tokens": len(visible), "attacks": list(args.attacks)}
+            if attack is not None:
+                row.update(_batched_row(attack, update, ids, k, simulate if args.check else None,
+                                        flat if args.check else None, visible, args))
+            if "dager" in args.attacks:
                 from exact import Dager
 
+                _synchronize(device)
                 began = time.perf_counter()
                 dager = Dager().attack(server.target, update, batch, ids.shape[1])
+                _synchronize(device)
                 length = ids.shape[1]
                 padded = [(list(s) + [-1] * length)[:length] for s in dager.sequences[:batch]]
                 padded += [[-1] * length] * (batch - len(padded))
@@ -136,6 +114,48 @@ def run(args) -> None:
                                 "token_acc": input_accuracy(padded, ids, False),
                                 "mode": dager.diagnostics.get("mode"), "seconds": round(time.perf_counter() - began, 1)}
             log.write(row)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _batched_attack(server, blocks: dict, args):
+    """The batched attack on `server`'s observed sites, whitened by the server's own blocks."""
+    from exact.batched import BatchedLoRA, BatchedOptions, SiteWhitening, wide_sites
+
+    names = list(server.names)
+    sites = wide_sites(server.target, names)
+    auxiliary = blocks["auxiliary"][: args.whitening_blocks].to(server.device)
+    whitening = SiteWhitening.fit(server.target, sites, auxiliary)
+    options = BatchedOptions(lm_weight=0.0, label_candidates=1, refine=args.refine, regrow=0, beam=args.beam,
+                             screen_sites=args.screen_sites, shortlist=args.shortlist)
+    return BatchedLoRA(server.target, names, whitening, options, sites=sites)
+
+
+def _batched_row(attack, update: dict, ids: torch.Tensor, k: int, simulate, flat, visible: set, args) -> dict:
+    """The batched attack on update `k`: its row's fields (accuracy, bag, refit, seconds, trace)."""
+    batch = ids.shape[0]
+
+    def progress(step, seconds, sequences):  # a long update's curve, as it comes
+        print(json.dumps({"update": k, "step": step, "seconds": round(seconds, 1),
+                          "token_acc_inputs": input_accuracy(sequences, ids, True)}), flush=True)
+
+    _synchronize(ids.device)
+    began = time.perf_counter()
+    found = attack.attack(update, batch, ids.shape[1], simulate, flat, on_step=progress)
+    _synchronize(ids.device)
+    return {"bag_size": len(found.bag), "bag_recall": len(visible & set(found.bag)) / max(1, len(visible)),
+            "token_acc_inputs": input_accuracy(found.sequences, ids, True),
+            "token_acc": input_accuracy(found.sequences, ids, False),
+            "exact_inputs": sum(s[:-1] in ids[:, :-1].tolist() for s in found.sequences) / batch,
+            "residual": found.residual, "kept_per_pass": found.kept_per_pass,
+            "seconds": round(time.perf_counter() - began, 1),
+            "phase_seconds": {name: round(v, 1) for name, v in found.seconds.items()},
+            "trace_inputs": [(step, round(t, 1), input_accuracy(s, ids, True)) for step, t, s in found.trace],
+            "beam": args.beam, "refine": args.refine, "check": args.check, "screen_sites": args.screen_sites,
+            "shortlist": args.shortlist, "whitening_blocks": args.whitening_blocks}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -160,7 +180,9 @@ def main(argv: list[str] | None = None) -> None:
     go.add_argument("--screen-sites", type=int, default=2)
     go.add_argument("--shortlist", type=int, default=64)
     go.add_argument("--whitening-blocks", type=int, default=2048)
-    go.add_argument("--dager", action="store_true", help="run DAGER on the same updates too (side by side)")
+    go.add_argument("--attacks", nargs="+", choices=("batched", "dager"), default=["batched"],
+                    help="the attacks run on each update (default: batched; `batched dager` side by side, `dager` "
+                         "alone where the batched search would take too long)")
     go.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     if args.command == "export":
