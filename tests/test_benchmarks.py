@@ -547,12 +547,15 @@ def test_lora_batch_progress_appends_each_step_scored_as_it_comes(tmp_path):
 
 def test_row_log_appends_rows_stamped_with_one_run_id_per_process(tmp_path, capsys, monkeypatch):
     """The batched investigations' rows (`lora_batch`, `device_curve`, `full_weight_gpt2`): appended to the file
-    (its folder made), each printed, every row of one process stamped with the same run id, another process's
-    rows with its own, and the machine; rows already in the file are kept."""
+    (its folder made; neither before the first row), each printed, every row of one process stamped with the same
+    run id, another process's rows with its own, and the machine; rows already in the file are kept."""
     from datamodules.machine import describe_machine
 
     module = load_benchmark("investigations.batched.lora_batch")
     path = tmp_path / "sub" / "rows.jsonl"
+    with module.RowLog(path):  # no row (a run that failed first): no file, no folder
+        pass
+    assert not (tmp_path / "sub").exists()
     with module.RowLog(path) as log:
         log.write({"update": 0, "token_acc": 0.5})
         log.write({"update": 1, "run": "ignored", "token_acc": 0.75})  # the row's own fields win, as given

@@ -214,7 +214,8 @@ class RowLog:
     every row stamped with this process's `run` id (a rerun of an update is told apart from an earlier one in the
     same file; the progress points of `progress_writer` carry the same id) and the machine its seconds were measured
     on (`datamodules.machine`: two machines of one name differ in speed; `device`: the one the work runs on, which
-    names a GPU). A row's own `run` or `machine` field, if it has one, is kept. Use as a context manager."""
+    names a GPU). A row's own `run` or `machine` field, if it has one, is kept. The file is opened at the first row, so
+    a run that fails before it (a model that does not fit in memory) leaves no empty file. Use as a context manager."""
 
     def __init__(self, path: str | Path, device: torch.device | str | None = None) -> None:
         self.path = Path(path)
@@ -223,15 +224,17 @@ class RowLog:
         self._file = None
 
     def __enter__(self) -> RowLog:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("a")
         return self
 
     def __exit__(self, *exc) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
     def write(self, row: dict) -> None:
         line = json.dumps({"run": self.run, "machine": self.machine, **row})
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("a")
         self._file.write(line + "\n")
         self._file.flush()
         print(line, flush=True)
