@@ -101,24 +101,28 @@ def run(args) -> None:
                 row.update(_batched_row(attack, update, ids, k, simulate if args.check else None,
                                         flat if args.check else None, visible, args))
             if "dager" in args.attacks:
-                from exact import Dager
-
-                _synchronize(device)
-                began = time.perf_counter()
-                dager = Dager().attack(server.target, update, batch, ids.shape[1])
-                _synchronize(device)
-                length = ids.shape[1]
-                padded = [(list(s) + [-1] * length)[:length] for s in dager.sequences[:batch]]
-                padded += [[-1] * length] * (batch - len(padded))
-                row["dager"] = {"token_acc_inputs": input_accuracy(padded, ids, True),
-                                "token_acc": input_accuracy(padded, ids, False),
-                                "mode": dager.diagnostics.get("mode"), "seconds": round(time.perf_counter() - began, 1)}
+                row["dager"] = _dager_row(server.target, update, ids)
             log.write(row)
 
 
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
+
+
+def _dager_row(target, update: dict, ids: torch.Tensor) -> dict:
+    """DAGER (the paper's thresholds) on the same update: its row's fields (accuracy, mode, seconds)."""
+    from exact import Dager
+
+    batch, length = ids.shape
+    _synchronize(ids.device)
+    began = time.perf_counter()
+    found = Dager().attack(target, update, batch, length)
+    _synchronize(ids.device)
+    padded = [(list(s) + [-1] * length)[:length] for s in found.sequences[:batch]]
+    padded += [[-1] * length] * (batch - len(padded))
+    return {"token_acc_inputs": input_accuracy(padded, ids, True), "token_acc": input_accuracy(padded, ids, False),
+            "mode": found.diagnostics.get("mode"), "seconds": round(time.perf_counter() - began, 1)}
 
 
 def _batched_attack(server, blocks: dict, args):
