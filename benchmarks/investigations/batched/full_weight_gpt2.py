@@ -119,7 +119,7 @@ def _dager_row(target, update: dict, ids: torch.Tensor) -> dict:
     began = time.perf_counter()
     found = Dager().attack(target, update, batch, length)
     _synchronize(ids.device)
-    padded = [(list(s) + [-1] * length)[:length] for s in found.sequences[:batch]]
+    padded = found.padded(length, pad_token_id=-1)[:batch].tolist()  # -1 marks a position DAGER left empty
     padded += [[-1] * length] * (batch - len(padded))
     return {"token_acc_inputs": input_accuracy(padded, ids, True), "token_acc": input_accuracy(padded, ids, False),
             "mode": found.diagnostics.get("mode"), "seconds": round(time.perf_counter() - began, 1)}
